@@ -1,0 +1,49 @@
+# `make demo`: set up and run the pipeline on the bundled demo corpus.
+# `make test`: set up and run the test suite.
+# Both create .venv when it is missing and install the project into it.
+
+VENV    ?= .venv
+PYTHON  := $(VENV)/bin/python
+STAMP   := $(VENV)/.assay-installed
+
+# Stage commands (dvc.yaml) find `assay` and `python` through PATH.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Nothing is fetched from a model or dataset hub at run time.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export DVC_NO_ANALYTICS := 1
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	@# torch first and pinned: anything else lets pip fetch a multi-GB CUDA build.
+	$(PYTHON) -m pip install --quiet 'torch==2.13.0'
+	$(PYTHON) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: install
+	dvc repro
+	dvc push --quiet
+	assay stats data/raw
+
+# pytest exits 5 when it collects no test; that is not a failure of the suite.
+test: install
+	@export PREFECT_HOME=$$(mktemp -d); \
+	$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	rm -rf "$$PREFECT_HOME"; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; \
+	exit $$rc
+
+bench: install
+	$(PYTHON) bench/ingest.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,176 @@
+"""The `assay` command line.
+
+Errors the user can act on print one line and exit 1; anything else is a bug
+and prints one line too, with the traceback only under --debug.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from assay.errors import AssayError
+
+_DEBUG = False
+
+app = typer.Typer(
+    name="assay",
+    help=(
+        "Assay: versioned, filtered pre-training data, closed-loop with training.\n\n"
+        "Typical run: `assay ingest demo --out data/raw`, then `assay stats data/raw`. "
+        "The whole pipeline runs with `dvc repro` (see README.md)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    params: Optional[Path] = typer.Option(
+        None, "--params", help="params.yaml to use (default: ./params.yaml or a parent's, else built-in defaults)."
+    ),
+) -> None:
+    if params is not None:
+        os.environ["ASSAY_PARAMS"] = str(params)
+
+
+def _params_file() -> Optional[str]:
+    return os.environ.get("ASSAY_PARAMS")
+
+
+class _OneLineErrors(logging.Filter):
+    """Prefect logs a failed run's traceback to the console; the CLI promises
+    one line per error, so the console shows the message without the
+    traceback (the Prefect API and UI still receive it in full)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_console_tracebacks() -> None:
+    if _DEBUG:
+        return
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _OneLineErrors) for f in handler.filters):
+            handler.addFilter(_OneLineErrors())
+
+
+@app.command()
+def ingest(
+    sources: list[str] = typer.Argument(
+        ...,
+        metavar="SOURCE...",
+        help="Directories, .jsonl/.jsonl.gz or .parquet files, hf:PATH[:split] datasets, or `demo`.",
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory."),
+    text_field: Optional[str] = typer.Option(None, help="Record field holding the text [params: ingest.text_field]."),
+    id_field: Optional[str] = typer.Option(None, help="Record field holding the id; derived from source and line when absent [params: ingest.id_field]."),
+    source: Optional[str] = typer.Option(None, "--source", help="Source name for every document (default: the SOURCE's base name)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Read SOURCEs into a raw dataset: sharded Parquet, decisions, quarantine and a manifest.
+
+    Bad input (invalid UTF-8, binary, empty, too large, malformed JSON, unreadable)
+    is quarantined with a reason and counted; it never stops the run. Rerunning
+    after a crash resumes: finished files are not read again.
+    """
+    from assay import report
+    from flows.ingest import run_ingest
+
+    _quiet_console_tracebacks()
+    manifest = run_ingest(
+        sources, str(out), text_field=text_field, id_field=id_field, source_name=source,
+        overwrite=overwrite, params_file=_params_file(),
+    )
+    report.as_json(manifest) if json_output else report.ingest_summary(manifest)
+
+
+@app.command()
+def stats(
+    data: Path = typer.Argument(..., metavar="DIR", help="A dataset directory."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Documents, bytes and approximate tokens (bytes/4), by kind, lang and source."""
+    from assay import report
+    from assay.stats import dataset_stats
+
+    result = dataset_stats(data)
+    report.as_json(result) if json_output else report.stats_table(result)
+
+
+@app.command()
+def show(
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    data: Path = typer.Option(..., "--data", help="The dataset directory to look in."),
+    full: bool = typer.Option(False, help="Print the whole text, not the first 2,000 characters."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show one document (or its quarantine record) by id."""
+    from assay import report
+    from assay.lineage import find_document
+
+    row = find_document(data, doc_id)
+    if row is None:
+        raise AssayError(f"{doc_id}: not in {data} (neither a document nor quarantined)")
+    report.as_json(row) if json_output else report.document(row, full)
+
+
+@app.command()
+def why(
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    data: list[Path] = typer.Option(..., "--data", help="Stage output directories; repeat the option for each."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Every decision about a document across the given stage outputs, oldest first."""
+    from assay import report
+    from assay.lineage import why as story
+
+    rows = story(doc_id, data)
+    if json_output:
+        report.as_json(rows)
+    else:
+        report.story(doc_id, rows)
+    if not rows:
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    # Prefect's temporary server needs more than its default 20 s to start on
+    # a busy 2-core machine; waiting longer beats failing the run.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    global _DEBUG
+    debug = _DEBUG = "--debug" in args or os.environ.get("ASSAY_DEBUG") == "1"
+    try:
+        app(args=args, prog_name="assay")
+    except AssayError as exc:
+        if debug:
+            raise
+        print(f"assay: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("assay: interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # a bug: one line, unless the user asked for more
+        if debug:
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"assay: internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

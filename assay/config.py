@@ -1,0 +1,244 @@
+"""params.yaml → typed, validated settings.
+
+Every knob of every stage lives in `params.yaml` (which DVC tracks, so a
+changed knob reruns exactly the stages that read it). The dataclasses here
+hold the same defaults, so the library also works without the file; a test
+keeps the two in step. Unknown keys and wrong types are errors, because a
+misspelt threshold that silently falls back to its default is the worst kind
+of data bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from assay.errors import AssayError
+
+PARAMS_FILE = "params.yaml"
+
+
+@dataclass
+class IOParams:
+    #: Uncompressed bytes per output shard (DESIGN.md: about 64-256 MB).
+    shard_bytes: int = 128 * 2**20
+    #: Rows per record batch when stages stream shards.
+    batch_rows: int = 1024
+
+
+@dataclass
+class IngestParams:
+    #: Records (files, JSON lines, rows) above this many bytes are quarantined
+    #: as invalid:too_large instead of being read into memory.
+    max_bytes: int = 10_000_000
+    text_field: str = "text"
+    id_field: str = "id"
+    #: Directory names never descended into.
+    skip_dirs: list[str] = field(
+        default_factory=lambda: [".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".dvc"]
+    )
+    #: Input bytes per task when a directory tree is split into tasks.
+    unit_bytes: int = 16 * 2**20
+    #: Minimum confidence (1 - charset-normalizer chaos) to accept a
+    #: non-UTF-8 file as latin-1/cp1252; below it the file is quarantined.
+    encoding_confidence: float = 0.9
+    #: Legacy single-byte encodings we are willing to decode.
+    fallback_encodings: list[str] = field(default_factory=lambda: ["cp1252", "latin_1", "iso8859_15"])
+
+
+@dataclass
+class DemoParams:
+    seed: int = 0
+    stdlib_files: int = 400
+    package_files: int = 400
+    package_metadata: int = 250
+    man_pages: int = 250
+    #: pydoc_data reference topics: all of them (about 80) unless capped.
+    pydoc_topics: int = 1000
+
+
+@dataclass
+class GopherQualityParams:
+    """Gopher (Rae et al. 2021, appendix A) quality rules; defaults are the paper's."""
+
+    enabled: bool = True
+    min_doc_words: int = 50
+    max_doc_words: int = 100_000
+    min_avg_word_length: float = 3.0
+    max_avg_word_length: float = 10.0
+    max_symbol_word_ratio: float = 0.1
+    max_bullet_lines_ratio: float = 0.9
+    max_ellipsis_lines_ratio: float = 0.3
+    #: At least 80% of words must contain an alphabetic character.
+    min_alpha_words_ratio: float = 0.8
+    min_stop_words: int = 2
+    stop_words: list[str] = field(default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"])
+
+
+@dataclass
+class GopherRepetitionParams:
+    """Gopher repetition rules (Rae et al. 2021, table A1); defaults are the paper's."""
+
+    enabled: bool = True
+    dup_line_frac: float = 0.3
+    dup_para_frac: float = 0.3
+    dup_line_char_frac: float = 0.2
+    dup_para_char_frac: float = 0.2
+    #: n → max share of characters in the most frequent n-gram.
+    top_n_grams: dict[int, float] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    #: n → max share of characters in duplicated n-grams.
+    dup_n_grams: dict[int, float] = field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
+    )
+
+
+@dataclass
+class C4Params:
+    """C4 (Raffel et al. 2020) rules with FineWeb's change: no terminal-punctuation rule."""
+
+    enabled: bool = True
+    filter_no_terminal_punct: bool = False
+    min_num_sentences: int = 5
+    min_words_per_line: int = 3
+    max_word_length: int = 1000
+    filter_lorem_ipsum: bool = True
+    filter_javascript: bool = True
+    filter_curly_bracket: bool = True
+    filter_policy: bool = True
+
+
+@dataclass
+class FineWebQualityParams:
+    """FineWeb (Penedo et al. 2024) custom quality rules; defaults are FineWeb's."""
+
+    enabled: bool = True
+    line_punct_thr: float = 0.12
+    short_line_thr: float = 0.67
+    short_line_length: int = 30
+    char_duplicates_ratio: float = 0.01
+    new_line_ratio: float = 0.3
+
+
+@dataclass
+class HeuristicsParams:
+    gopher_quality: GopherQualityParams = field(default_factory=GopherQualityParams)
+    gopher_repetition: GopherRepetitionParams = field(default_factory=GopherRepetitionParams)
+    c4: C4Params = field(default_factory=C4Params)
+    fineweb_quality: FineWebQualityParams = field(default_factory=FineWebQualityParams)
+
+
+@dataclass
+class StaticParams:
+    heuristics: HeuristicsParams = field(default_factory=HeuristicsParams)
+
+
+@dataclass
+class FlowParams:
+    #: "threads" (default, one machine), "dask" or "ray" (need prefect-dask /
+    #: prefect-ray and, for a cluster, an address).
+    task_runner: str = "threads"
+    max_workers: int = 2
+    address: str | None = None
+
+
+@dataclass
+class Params:
+    io: IOParams = field(default_factory=IOParams)
+    ingest: IngestParams = field(default_factory=IngestParams)
+    demo: DemoParams = field(default_factory=DemoParams)
+    static: StaticParams = field(default_factory=StaticParams)
+    flow: FlowParams = field(default_factory=FlowParams)
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dataclasses.asdict(getattr(self, name))
+
+
+def _check_type(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check_type(value, option, where)
+            except AssayError:
+                pass
+        raise AssayError(f"params: {where} = {value!r} should be {annotation}")
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise AssayError(f"params: {where} = {value!r} should be a list")
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise AssayError(f"params: {where} = {value!r} should be a mapping")
+        key_type, value_type = typing.get_args(annotation)
+        return {
+            _check_type(k, key_type, f"{where} key"): _check_type(v, value_type, f"{where}[{k}]")
+            for k, v in value.items()
+        }
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, bool):
+        raise AssayError(f"params: {where} = {value!r} should be an integer")
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        raise AssayError(f"params: {where} = {value!r} should be {annotation.__name__}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise AssayError(f"params: {where} should be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise AssayError(f"params: unknown key {where}.{unknown[0]} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, f"{where}.{name}".lstrip("."))
+        else:
+            kwargs[name] = _check_type(value, hint, f"{where}.{name}".lstrip("."))
+    return cls(**kwargs)
+
+
+def params_from_dict(data: dict[str, Any] | None) -> Params:
+    return _build(Params, data or {}, "")
+
+
+def find_params_file(start: str | os.PathLike | None = None) -> Path | None:
+    """params.yaml in `start` (default: the working directory) or its parents."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / PARAMS_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_params(path: str | os.PathLike | None = None) -> Params:
+    """Load `path`, else the nearest params.yaml, else the built-in defaults."""
+    if path is None:
+        path = find_params_file()
+        if path is None:
+            return Params()
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise AssayError(f"{path}: params file not found") from None
+    except yaml.YAMLError as exc:
+        raise AssayError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return params_from_dict(data)

@@ -1,0 +1,198 @@
+"""SOURCE arguments → units of work, one Prefect task each.
+
+A unit is small and serialisable: it names what to read, never holds the
+data. Planning only lists and stats files, so a typo in a SOURCE fails in a
+second, before any task starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from assay.errors import AssayError
+
+HF_PREFIX = "hf:"
+DEMO_SOURCE = "demo"
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file-like document: a real file, or a rendered one (man, pydoc)."""
+
+    fs_path: str
+    source: str
+    locator: str
+    render: str | None = None  # None (read bytes) | "man" | "pydoc"
+    size: int = 0
+    mtime_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # "files" | "jsonl" | "parquet" | "hf"
+    source: str
+    files: tuple[FileEntry, ...] = ()
+    path: str = ""  # jsonl / parquet file, or the HF dataset path
+    split: str | None = None
+    size: int = 0
+    mtime_ns: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # counted at plan time
+
+    @property
+    def signature(self) -> str:
+        """Identity plus a cheap content fingerprint (sizes and mtimes)."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        return hashlib.blake2b(blob, digest_size=10).hexdigest()
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    text_field: str = "text"
+    id_field: str = "id"
+    source_name: str | None = None
+    max_bytes: int = 10_000_000
+    shard_bytes: int = 128 * 2**20
+    batch_rows: int = 1024
+    unit_bytes: int = 16 * 2**20
+    skip_dirs: tuple[str, ...] = (".git", "node_modules", "__pycache__", ".venv")
+    fallback_encodings: tuple[str, ...] = ("cp1252", "latin_1", "iso8859_15")
+    encoding_confidence: float = 0.9
+
+
+def unit_key(index: int, unit: Unit) -> str:
+    """Staging folder name: ordered by position, tied to the unit's content."""
+    return f"{index:05d}-{unit.signature}"
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        st = path.stat()
+        return st.st_size, st.st_mtime_ns
+    except OSError:
+        return 0, 0
+
+
+def group_files(entries: list[FileEntry], kind: str, source: str, unit_bytes: int) -> list[Unit]:
+    """Pack file entries into units of about `unit_bytes` input each, in order."""
+    units, current, size = [], [], 0
+    for entry in entries:
+        current.append(entry)
+        size += max(entry.size, 4096)  # rendered entries have no size yet
+        if size >= unit_bytes:
+            units.append(Unit(kind=kind, source=source, files=tuple(current), size=size))
+            current, size = [], 0
+    if current:
+        units.append(Unit(kind=kind, source=source, files=tuple(current), size=size))
+    return units
+
+
+def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple[list[FileEntry], dict[str, int]]:
+    """Every file under `root`, sorted, without skipped dirs or escaping symlinks."""
+    real_root = root.resolve()
+    entries: list[FileEntry] = []
+    skipped = {"symlink_outside_root": 0, "skipped_dir": 0}
+    skip = set(skip_dirs)
+    for folder, dirs, files in os.walk(root, followlinks=False):
+        kept_dirs = sorted(d for d in dirs if d not in skip)
+        skipped["skipped_dir"] += len(dirs) - len(kept_dirs)
+        dirs[:] = kept_dirs  # os.walk does not descend into symlinked dirs either
+        for name in sorted(files):
+            path = Path(folder, name)
+            if path.is_symlink():
+                target = Path(os.path.realpath(path))
+                if target.exists() and not target.is_relative_to(real_root):
+                    skipped["symlink_outside_root"] += 1
+                    continue
+            size, mtime = _stat(path)
+            locator = path.relative_to(root).as_posix()
+            entries.append(FileEntry(str(path), source, locator, size=size, mtime_ns=mtime))
+    return entries, skipped
+
+
+def _source_name(spec: str, options: IngestOptions) -> str:
+    if options.source_name:
+        return options.source_name
+    return Path(spec.rstrip("/")).resolve().name or spec
+
+
+def _check_columns(names: list[str], where: str, options: IngestOptions) -> None:
+    if options.text_field not in names:
+        raise AssayError(
+            f"{where}: no text field '{options.text_field}' (columns: {', '.join(names) or 'none'}); "
+            "pass --text-field"
+        )
+
+
+def plan_hf(spec: str, options: IngestOptions) -> Unit:
+    body = spec[len(HF_PREFIX):]
+    path, _, split = body.partition(":") if not Path(body).exists() else (body, "", "")
+    if not path:
+        raise AssayError(f"{spec}: expected hf:PATH_OR_NAME[:split]")
+    local = Path(path)
+    size, mtime = 0, 0
+    if local.exists():
+        for file in sorted(local.rglob("*")) if local.is_dir() else [local]:
+            s, m = _stat(file)
+            size, mtime = size + s, max(mtime, m)
+    source = options.source_name or f"hf:{local.name if local.exists() else path}"
+    return Unit(kind="hf", source=source, path=path, split=split or None, size=size, mtime_ns=mtime)
+
+
+def check_source(spec: str, options: IngestOptions) -> None:
+    """Fail fast on a SOURCE that cannot be read: missing, or of unknown format."""
+    if spec == DEMO_SOURCE or spec.startswith(HF_PREFIX):
+        return
+    path = Path(spec)
+    if not path.exists():
+        raise AssayError(f"{spec}: no such file or directory")
+    if path.is_dir():
+        return
+    name = path.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        try:
+            names = pq.read_schema(path).names
+        except Exception as exc:  # pyarrow raises several types for bad files
+            raise AssayError(f"{spec}: not a readable Parquet file ({exc})") from None
+        _check_columns(names, spec, options)
+    elif not name.endswith(JSONL_SUFFIXES):
+        raise AssayError(
+            f"{spec}: unknown format (expected a directory, .jsonl[.gz], .parquet, hf:PATH or 'demo')"
+        )
+
+
+def plan(sources: list[str], options: IngestOptions, *, demo_params=None) -> list[Unit]:
+    """Resolve SOURCE arguments into ordered units; unknown or missing sources are errors."""
+    if not sources:
+        raise AssayError("no SOURCE given")
+    units: list[Unit] = []
+    for spec in sources:
+        if spec == DEMO_SOURCE:
+            from assay.ingest.demo import plan_demo
+
+            units.extend(plan_demo(demo_params, options))
+            continue
+        if spec.startswith(HF_PREFIX):
+            units.append(plan_hf(spec, options))
+            continue
+        check_source(spec, options)
+        path = Path(spec)
+        source = _source_name(spec, options)
+        if path.is_dir():
+            entries, skipped = walk_directory(path, source, tuple(options.skip_dirs))
+            grouped = group_files(entries, "files", source, options.unit_bytes)
+            if grouped:
+                grouped[0] = Unit(**{**grouped[0].__dict__, "skipped": skipped})
+            units.extend(grouped)
+            continue
+        size, mtime = _stat(path)
+        kind = "parquet" if path.name.lower().endswith(PARQUET_SUFFIXES) else "jsonl"
+        units.append(Unit(kind=kind, source=source, path=str(path), size=size, mtime_ns=mtime))
+    return units

@@ -1,0 +1,499 @@
+"""Read one unit into staged documents, decisions and quarantine.
+
+Per-file sources (directory trees, the demo) must decode each file on its
+own; tabular sources (Parquet, Hugging Face) are checked and converted one
+Arrow record batch at a time with pyarrow.compute.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from assay import languages
+from assay.ingest.decode import decode, is_binary
+from assay.ingest.plan import FileEntry, IngestOptions, Unit, unit_key
+from assay.schema import (
+    DECISION_SCHEMA,
+    DOCUMENT_COLUMNS,
+    DOCUMENT_SCHEMA,
+    INVALID_BINARY,
+    INVALID_EMPTY,
+    INVALID_IO,
+    INVALID_JSON,
+    INVALID_RECORD,
+    INVALID_TOO_LARGE,
+    QUARANTINE_SCHEMA,
+    document_id,
+)
+from assay.staging import UnitResult, UnitWriter, finished_unit
+
+STAGE = "ingest"
+_OVERSTRIKE = re.compile(".\x08")
+
+
+class Sink:
+    """Buffers rows column-wise and hands Arrow batches to a UnitWriter."""
+
+    def __init__(self, writer: UnitWriter, batch_rows: int):
+        self.writer = writer
+        self.batch_rows = batch_rows
+        self._docs: dict[str, list] = {name: [] for name in DOCUMENT_COLUMNS}
+        self._name_hints: list[str] = []  # file names for kind/lang detection
+        self._bad: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA.names}
+
+    # -- single records (files, JSON lines) --
+
+    def document(self, id: str, text: str, kind: str | None, lang: str | None, source: str, path: str,
+                 meta: dict, name_hint: str = "") -> None:
+        """Buffer one document; a None kind or lang is detected, batch-wise, at flush."""
+        row = (id, text, kind, lang, source, path, json.dumps(meta, ensure_ascii=False, sort_keys=True))
+        for name, value in zip(DOCUMENT_COLUMNS, row):
+            self._docs[name].append(value)
+        self._name_hints.append(name_hint)
+        if len(self._docs["id"]) >= self.batch_rows:
+            self.flush()
+
+    def invalid(self, id: str, source: str, path: str, reason: str, detail: str | None, raw: bytes | None) -> None:
+        for name, value in zip(QUARANTINE_SCHEMA.names, (id, source, path, reason, detail, raw)):
+            self._bad[name].append(value)
+        self.writer.counts["quarantined"] += 1
+        self.writer.counts[reason] += 1
+        if len(self._bad["id"]) >= self.batch_rows:
+            self.flush()
+
+    # -- whole batches (Parquet, HF) --
+
+    def documents_batch(self, batch: pa.RecordBatch, flush: bool = True) -> None:
+        if flush:
+            self.flush()
+        self.writer.docs.write(batch)
+        self.writer.decisions.write(_kept_decisions(batch.column("id")))
+        self.writer.counts["documents"] += batch.num_rows
+        for kind, n in zip(*_value_counts(batch.column("kind"))):
+            self.writer.counts[f"kind:{kind}"] += n
+
+    def flush(self) -> None:
+        if self._docs["id"]:
+            texts = pa.array(self._docs["text"], pa.large_string())
+            kinds, langs = fill_kind_and_lang(texts, pa.array(self._name_hints, pa.string()),
+                                              self._docs["kind"], self._docs["lang"])
+            columns = {**self._docs, "text": texts, "kind": kinds, "lang": langs}
+            self.documents_batch(pa.RecordBatch.from_pydict(columns, schema=DOCUMENT_SCHEMA), flush=False)
+            for values in self._docs.values():
+                values.clear()
+            self._name_hints.clear()
+        if self._bad["id"]:
+            bad = pa.RecordBatch.from_pydict(self._bad, schema=QUARANTINE_SCHEMA)
+            self.writer.quarantine.write(bad)
+            self.writer.decisions.write(
+                pa.RecordBatch.from_pydict(
+                    {
+                        "id": bad.column("id"),
+                        "stage": [STAGE] * bad.num_rows,
+                        "kept": [False] * bad.num_rows,
+                        "reason": bad.column("reason"),
+                        "scores": [None] * bad.num_rows,
+                        "detail": bad.column("detail"),
+                    },
+                    schema=DECISION_SCHEMA,
+                )
+            )
+            for values in self._bad.values():
+                values.clear()
+
+
+def fill_kind_and_lang(texts: pa.Array, name_hints: pa.Array, kinds: list, langs: list) -> tuple[pa.Array, pa.Array]:
+    """Given kinds/langs where known (None elsewhere), detected ones for the rest."""
+    missing = [i for i, (k, l) in enumerate(zip(kinds, langs)) if not k or not l]
+    if not missing:
+        return pa.array(kinds, pa.string()), pa.array(langs, pa.string())
+    take = pa.array(missing, pa.int64())
+    found_kinds, found_langs = languages.classify_batch(texts.take(take), name_hints.take(take))
+    kinds, langs = list(kinds), list(langs)
+    for j, i in enumerate(missing):
+        kinds[i] = kinds[i] or found_kinds[j].as_py()
+        langs[i] = langs[i] or found_langs[j].as_py()
+    return pa.array(kinds, pa.string()), pa.array(langs, pa.string())
+
+
+def _value_counts(column: pa.Array) -> tuple[list, list]:
+    counts = pc.value_counts(column)
+    return counts.field("values").to_pylist(), counts.field("counts").to_pylist()
+
+
+def _kept_decisions(ids: pa.Array) -> pa.RecordBatch:
+    n = len(ids)
+    return pa.RecordBatch.from_arrays(
+        [
+            ids,
+            pa.array([STAGE] * n, pa.string()),
+            pa.array([True] * n, pa.bool_()),
+            pa.nulls(n, pa.string()),
+            pa.nulls(n, DECISION_SCHEMA.field("scores").type),
+            pa.nulls(n, pa.string()),
+        ],
+        schema=DECISION_SCHEMA,
+    )
+
+
+# --- files -----------------------------------------------------------------------
+
+
+def _render_man(path: str) -> bytes:
+    env = dict(os.environ, MANWIDTH="80", MAN_KEEP_FORMATTING="", LC_ALL="C.UTF-8")
+    proc = subprocess.run(
+        ["man", "-E", "UTF-8", "-P", "cat", "-l", path], capture_output=True, env=env, timeout=60
+    )
+    if proc.returncode != 0 or not proc.stdout:
+        raise OSError(f"man exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[:200]}")
+    # Overstrike (x\bx for bold, _\bx for underline) is terminal markup, not text.
+    return _OVERSTRIKE.sub("", proc.stdout.decode("utf-8", errors="surrogateescape")).encode(
+        "utf-8", errors="surrogateescape"
+    )
+
+
+def _render_pydoc(topic: str) -> bytes:
+    from pydoc_data.topics import topics
+
+    return topics[topic].encode("utf-8")
+
+
+def read_entry(entry: FileEntry, max_bytes: int) -> bytes | int:
+    """The entry's bytes, or its size when it is over `max_bytes` (not read)."""
+    if entry.render == "man":
+        data = _render_man(entry.fs_path)
+    elif entry.render == "pydoc":
+        data = _render_pydoc(entry.fs_path)
+    else:
+        size = os.stat(entry.fs_path).st_size
+        if size > max_bytes:
+            return size
+        with open(entry.fs_path, "rb") as handle:
+            data = handle.read(max_bytes + 1)
+    return len(data) if len(data) > max_bytes else data
+
+
+def ingest_files(unit: Unit, sink: Sink, options: IngestOptions) -> int:
+    bytes_in = 0
+    for entry in unit.files:
+        doc_id = document_id(entry.source, entry.locator)
+        try:
+            data = read_entry(entry, options.max_bytes)
+        except (OSError, subprocess.SubprocessError, KeyError) as exc:
+            sink.invalid(doc_id, entry.source, entry.locator, INVALID_IO, f"{type(exc).__name__}: {exc}", None)
+            continue
+        if isinstance(data, int):
+            sink.invalid(doc_id, entry.source, entry.locator, INVALID_TOO_LARGE,
+                         f"{data} bytes > ingest.max_bytes={options.max_bytes}", None)
+            bytes_in += data
+            continue
+        bytes_in += len(data)
+        decoded = decode(data, fallback_encodings=list(options.fallback_encodings), min_confidence=options.encoding_confidence)
+        if decoded.text is None:
+            sink.invalid(doc_id, entry.source, entry.locator, decoded.reason, decoded.detail, data)
+            continue
+        meta: dict[str, Any] = {"bytes": len(data)}
+        if decoded.encoding:
+            meta["encoding"] = decoded.encoding
+        if entry.render:
+            meta["rendered_from"] = entry.render
+        sink.document(doc_id, decoded.text, None, None, entry.source, entry.locator, meta, name_hint=entry.locator)
+    return bytes_in
+
+
+# --- JSON lines ------------------------------------------------------------------
+
+
+def _open_lines(path: str):
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _read_lines(handle, limit: int) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, bytes, too_long); an over-long line is skipped, not loaded."""
+    number = 0
+    while True:
+        line = handle.readline(limit + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > limit and not line.endswith(b"\n"):
+            while True:  # drain the rest of the line in bounded pieces
+                rest = handle.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield number, line[:256], True
+            continue
+        yield number, line, False
+
+
+def _record_fields(record: dict, options: IngestOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a record into contract columns and everything else (→ meta)."""
+    columns, meta = {}, {}
+    for key, value in record.items():
+        if key in (options.text_field, options.id_field):
+            continue
+        if key in ("kind", "lang", "source", "path") and isinstance(value, str) and value:
+            columns[key] = value
+        elif key == "meta" and isinstance(value, dict):
+            meta.update(value)
+        else:
+            meta[key] = value
+    return columns, meta
+
+
+def ingest_jsonl(unit: Unit, sink: Sink, options: IngestOptions) -> int:
+    name = Path(unit.path).name
+    bytes_in = 0
+    with _open_lines(unit.path) as handle:
+        # Every JSON line can hold a document of up to max_bytes plus its fields.
+        for number, line, too_long in _read_lines(handle, options.max_bytes + 65536):
+            locator = f"{name}:{number}"
+            fallback_id = document_id(unit.source, f"line:{number}")
+            bytes_in += len(line)
+            if too_long:
+                sink.invalid(fallback_id, unit.source, locator, INVALID_TOO_LARGE,
+                             f"line {number} longer than ingest.max_bytes={options.max_bytes}", None)
+                continue
+            if not line.strip():
+                sink.writer.counts["blank_lines"] += 1
+                continue
+            decoded = decode(line, fallback_encodings=list(options.fallback_encodings), min_confidence=options.encoding_confidence)
+            if decoded.text is None:
+                sink.invalid(fallback_id, unit.source, locator, decoded.reason, f"line {number}: {decoded.detail}", line)
+                continue
+            try:
+                record = json.loads(decoded.text)
+            except json.JSONDecodeError as exc:
+                sink.invalid(fallback_id, unit.source, locator, INVALID_JSON, f"line {number}: {exc.msg} (column {exc.colno})", line)
+                continue
+            if not isinstance(record, dict):
+                sink.invalid(fallback_id, unit.source, locator, INVALID_RECORD, f"line {number}: not a JSON object", line)
+                continue
+            raw_id = record.get(options.id_field)
+            doc_id = str(raw_id) if raw_id not in (None, "") else fallback_id
+            text = record.get(options.text_field)
+            if not isinstance(text, str):
+                what = "missing" if text is None else f"a {type(text).__name__}, not a string"
+                sink.invalid(doc_id, unit.source, locator, INVALID_RECORD, f"line {number}: field '{options.text_field}' is {what}", line)
+                continue
+            reason = _text_problem(text, options.max_bytes)
+            if reason:
+                sink.invalid(doc_id, unit.source, locator, reason[0], f"line {number}: {reason[1]}", line)
+                continue
+            columns, meta = _record_fields(record, options)
+            if decoded.encoding:
+                meta["encoding"] = decoded.encoding
+            sink.document(doc_id, text, columns.get("kind"), columns.get("lang"), columns.get("source", unit.source),
+                          columns.get("path", locator), meta, name_hint=columns.get("path", ""))
+    return bytes_in
+
+
+def _text_problem(text: str, max_bytes: int) -> tuple[str, str] | None:
+    if not text.strip():
+        return INVALID_EMPTY, "text is empty or whitespace"
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        return INVALID_TOO_LARGE, f"text is {size} bytes > ingest.max_bytes={max_bytes}"
+    if "\x00" in text:
+        return INVALID_BINARY, "text contains NUL characters"
+    return None
+
+
+# --- tables (Parquet, Hugging Face) --------------------------------------------------
+
+
+def _table_batches(unit: Unit, options: IngestOptions) -> Iterator[pa.RecordBatch]:
+    if unit.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(unit.path).iter_batches(batch_size=options.batch_rows)
+        return
+    from assay.ingest.hf import load_hf_dataset
+
+    dataset = load_hf_dataset(unit.path, unit.split, options.text_field)
+    for table in dataset.with_format("arrow").iter(batch_size=options.batch_rows):
+        yield from table.to_batches()
+
+
+def ingest_table(unit: Unit, sink: Sink, options: IngestOptions) -> int:
+    """Parquet and Hugging Face datasets, one record batch at a time."""
+    bytes_in, offset = 0, 0
+    label = Path(unit.path).name
+    for batch in _table_batches(unit, options):
+        rows = range(offset, offset + batch.num_rows)
+        bytes_in += ingest_record_batch(
+            batch, sink, unit, options,
+            locators=[f"{label}:{i}" for i in rows],
+            fallback_ids=[document_id(unit.source, f"row:{i}") for i in rows],
+            raw=None,
+        )
+        offset += batch.num_rows
+    return bytes_in
+
+
+def ingest_record_batch(batch: pa.RecordBatch, sink: Sink, unit: Unit, options: IngestOptions, *,
+                        locators: list[str], fallback_ids: list[str], raw: list[bytes] | None) -> int:
+    """Check and convert one batch of records, vectorised; returns the text bytes seen.
+
+    `locators` and `fallback_ids` name each row when the record has no `path`
+    or id of its own; `raw` (the original bytes of each row, where known) is
+    what the quarantine keeps of a bad row.
+    """
+    n = batch.num_rows
+    names = batch.schema.names
+    text = batch.column(options.text_field) if options.text_field in names else pa.nulls(n, pa.large_string())
+    if pa.types.is_binary(text.type) or pa.types.is_large_binary(text.type):
+        text = _decode_binary_column(text, options)
+    elif not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+        text = pa.nulls(n, pa.large_string())  # every row invalid:record below
+    text = text.cast(pa.large_string())
+    nbytes = pc.fill_null(pc.binary_length(text), 0)
+
+    default_locators = pa.array(locators, pa.string())
+    paths = default_locators
+    if "path" in names:
+        given_path = batch.column("path").cast(pa.string())
+        paths = pc.if_else(pc.fill_null(pc.not_equal(given_path, ""), False), given_path, default_locators)
+    fallback = pa.array(fallback_ids, pa.string())
+    ids = fallback
+    if options.id_field in names:
+        given = batch.column(options.id_field).cast(pa.string())
+        ids = pc.if_else(pc.fill_null(pc.not_equal(given, ""), False), given, fallback)
+
+    # One reason per row; the first failing check wins.
+    reasons = pa.nulls(n, pa.string())
+    checks = [
+        (pc.is_null(text), INVALID_RECORD),
+        (pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(pc.fill_null(text, ""))), 0), INVALID_EMPTY),
+        (pc.greater(nbytes, options.max_bytes), INVALID_TOO_LARGE),
+        (pc.match_substring(pc.fill_null(text, ""), "\x00"), INVALID_BINARY),
+    ]
+    for mask, reason in checks:
+        reasons = pc.if_else(pc.and_(pc.is_null(reasons), pc.fill_null(mask, False)), reason, reasons)
+    bad = pc.is_valid(reasons)
+
+    if pc.any(bad).as_py():
+        for i in pc.indices_nonzero(bad).to_pylist():
+            reason = reasons[i].as_py()
+            if reason == INVALID_TOO_LARGE:
+                kept_raw = None  # the original stays at its source; do not copy it
+            elif raw is not None:
+                kept_raw = raw[i]
+            else:
+                kept_raw = json.dumps(batch.slice(i, 1).to_pylist()[0], ensure_ascii=False, default=str).encode()
+            sink.invalid(ids[i].as_py(), unit.source, paths[i].as_py(), reason,
+                         f"{locators[i]}: {_TABLE_DETAIL[reason]}", kept_raw)
+
+    good = pc.invert(bad)
+    kept = batch.filter(good)
+    if kept.num_rows:
+        sink.documents_batch(_to_documents(kept, text.filter(good), ids.filter(good), paths.filter(good), unit, options))
+    return pc.sum(nbytes).as_py() or 0
+
+
+_TABLE_DETAIL = {
+    INVALID_RECORD: "text field is missing, null or not text",
+    INVALID_EMPTY: "text is empty or whitespace",
+    INVALID_TOO_LARGE: "text larger than ingest.max_bytes",
+    INVALID_BINARY: "text contains NUL characters or is binary",
+}
+
+
+def _decode_binary_column(column: pa.Array, options: IngestOptions) -> pa.Array:
+    values = []
+    for raw in column.to_pylist():
+        if raw is None or is_binary(raw):
+            values.append(None if raw is None else "\x00")  # flagged binary below
+            continue
+        decoded = decode(raw, fallback_encodings=list(options.fallback_encodings), min_confidence=options.encoding_confidence)
+        values.append(decoded.text if decoded.text is not None else None)
+    return pa.array(values, pa.large_string())
+
+
+def _to_documents(batch: pa.RecordBatch, text: pa.Array, ids: pa.Array, paths: pa.Array,
+                  unit: Unit, options: IngestOptions) -> pa.RecordBatch:
+    names = batch.schema.names
+    n = batch.num_rows
+    given = {c: batch.column(c).cast(pa.string()).to_pylist() if c in names else [None] * n for c in ("kind", "lang")}
+    # Only a record's own path says anything about its language, not our locator.
+    hints = pc.fill_null(batch.column("path").cast(pa.string()), "") if "path" in names else pa.array([""] * n, pa.string())
+    kinds, langs = fill_kind_and_lang(text, hints, given["kind"], given["lang"])
+    source = (
+        pc.fill_null(batch.column("source").cast(pa.string()), unit.source)
+        if "source" in names
+        else pa.array([unit.source] * n, pa.string())
+    )
+    contract = {options.text_field, options.id_field, "kind", "lang", "source", "path"}
+    extra = [name for name in names if name not in contract]
+    if extra:
+        rows = batch.select(extra).to_pylist()
+        meta = [json.dumps(_merge_meta(r), ensure_ascii=False, sort_keys=True, default=str) for r in rows]
+    else:
+        meta = ["{}"] * n
+    return pa.RecordBatch.from_arrays(
+        [ids, text, kinds, langs, source, paths, pa.array(meta, pa.string())],
+        schema=DOCUMENT_SCHEMA,
+    )
+
+
+def _merge_meta(row: dict) -> dict:
+    inner = row.pop("meta", None)
+    if isinstance(inner, str):
+        try:
+            inner = json.loads(inner)
+        except json.JSONDecodeError:
+            row["meta"] = inner
+            inner = None
+    if isinstance(inner, dict):
+        return {**inner, **row}
+    if inner is not None:
+        row["meta"] = inner
+    return row
+
+
+# --- one unit -------------------------------------------------------------------------
+
+
+READERS = {"files": ingest_files, "jsonl": ingest_jsonl, "parquet": ingest_table, "hf": ingest_table}
+
+
+def ingest_unit(index: int, unit: Unit, out_dir: str, options: IngestOptions) -> UnitResult:
+    """Ingest one unit into `out_dir`'s staging area; a finished unit is not redone."""
+    key = unit_key(index, unit)
+    done = finished_unit(out_dir, key)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    writer = UnitWriter(out_dir, key, DOCUMENT_SCHEMA, target_bytes=options.shard_bytes)
+    for reason, n in unit.skipped.items():
+        if n:
+            writer.counts[f"skipped:{reason}"] += n
+    sink = Sink(writer, options.batch_rows)
+    try:
+        try:
+            bytes_in = READERS[unit.kind](unit, sink, options)
+        except (OSError, EOFError, zlib.error, pa.ArrowException) as exc:
+            # A file that breaks mid-read (truncated gzip, bad Parquet page):
+            # keep what was read, and quarantine the rest under the file's name.
+            # (Per-file sources catch their own errors and never get here.)
+            bytes_in = unit.size
+            locator = Path(unit.path).name
+            sink.invalid(document_id(unit.source, f"file:{locator}"), unit.source, locator, INVALID_IO,
+                         f"reading stopped: {type(exc).__name__}: {exc}", None)
+        sink.flush()
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(bytes_in=bytes_in, seconds=time.perf_counter() - started)

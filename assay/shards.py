@@ -1,0 +1,247 @@
+"""Shard IO: a dataset is a directory of zstd Parquet shards plus a manifest.
+
+Layout of a dataset directory::
+
+    part-00000.parquet ...            documents (assay.schema.DOCUMENT_SCHEMA + score columns)
+    decisions/part-00000.parquet ...  one row per input record (DECISION_SCHEMA)
+    quarantine/part-00000.parquet ... raw bytes of bad input (QUARANTINE_SCHEMA)
+    manifest.json                     counts, bytes, params, input fingerprints, timings
+
+Every file is written under a temporary name and renamed into place, so a
+reader sees a shard whole or not at all, and a killed writer leaves only
+temporary files that the next run removes. Readers stream record batches and
+never hold a whole dataset in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from assay.errors import AssayError
+
+SHARD_PATTERN = re.compile(r"^part-(\d{5,})\.parquet$")
+DECISIONS_DIR = "decisions"
+QUARANTINE_DIR = "quarantine"
+MANIFEST = "manifest.json"
+COMPRESSION = "zstd"
+TMP_MARKER = ".tmp-"
+
+#: Rows buffered before a row group is written: large enough for good
+#: compression, small enough that a reader's batch stays a few MB.
+ROW_GROUP_ROWS = 2048
+
+
+def shard_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def _tmp_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}{TMP_MARKER}{os.getpid()}")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that `path` is either absent, old, or whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARKER}", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the file is data, not a secret
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def remove_temporaries(directory: str | os.PathLike) -> int:
+    """Delete leftovers of killed writers under `directory`; returns how many."""
+    removed = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            if TMP_MARKER in name and name.startswith("."):
+                Path(root, name).unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    rows: int
+    bytes: int
+
+
+class ShardWriter:
+    """Writes record batches to numbered Parquet shards of about `target_bytes`.
+
+    A shard is written to a hidden temporary file and renamed when it is
+    closed; until then no reader can see it. `name_for(index)` chooses file
+    names, so staging areas can use their own prefix.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        schema: pa.Schema,
+        *,
+        target_bytes: int = 128 * 2**20,
+        name_for=shard_name,
+        first_index: int = 0,
+    ) -> None:
+        self.directory = Path(directory)
+        self.schema = schema
+        self.target_bytes = target_bytes
+        self._name_for = name_for
+        self._index = first_index
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: Path | None = None
+        self._final: Path | None = None
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffered_rows = 0
+        self._shard_rows = 0
+        self._shard_bytes = 0  # uncompressed, which is what the target bounds
+        self.shards: list[ShardInfo] = []
+
+    def write(self, data: pa.RecordBatch | pa.Table) -> None:
+        if data.num_rows == 0:
+            return
+        if data.schema != self.schema:
+            data = data.select(self.schema.names).cast(self.schema)
+        batches = data.to_batches() if isinstance(data, pa.Table) else [data]
+        for batch in batches:
+            self._buffer.append(batch)
+            self._buffered_rows += batch.num_rows
+            self._shard_bytes += batch.nbytes
+            if self._buffered_rows >= ROW_GROUP_ROWS:
+                self._flush()
+            if self._shard_bytes >= self.target_bytes:
+                self._close_shard()
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        if self._writer is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._final = self.directory / self._name_for(self._index)
+            self._tmp = _tmp_path(self._final)
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=COMPRESSION)
+        table = pa.Table.from_batches(self._buffer, schema=self.schema)
+        self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        self._shard_rows += table.num_rows
+        self._buffer.clear()
+        self._buffered_rows = 0
+
+    def _close_shard(self) -> None:
+        self._flush()
+        if self._writer is None:
+            return
+        self._writer.close()
+        os.replace(self._tmp, self._final)
+        self.shards.append(ShardInfo(self._final.name, self._shard_rows, self._final.stat().st_size))
+        self._writer = None
+        self._index += 1
+        self._shard_rows = 0
+        self._shard_bytes = 0
+
+    def close(self) -> list[ShardInfo]:
+        self._close_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        """Drop the open shard; closed shards stay."""
+        if self._writer is not None:
+            self._writer.close()
+            self._tmp.unlink(missing_ok=True)
+            self._writer = None
+        self._buffer.clear()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+# --- reading -------------------------------------------------------------------
+
+
+def list_shards(directory: str | os.PathLike) -> list[Path]:
+    """The finished shards of a directory, in order; temporaries are invisible."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if SHARD_PATTERN.match(p.name))
+
+
+def require_dataset(directory: str | os.PathLike) -> Path:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AssayError(f"{directory}: no such dataset directory")
+    if not (directory / MANIFEST).is_file() and not list_shards(directory):
+        raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
+    return directory
+
+
+def iter_batches(
+    directory: str | os.PathLike,
+    *,
+    columns: list[str] | None = None,
+    batch_size: int = 1024,
+    filter_ids: Iterable[str] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Stream the record batches of every shard in `directory`, in shard order."""
+    id_set = pa.array(sorted(set(filter_ids)), pa.string()) if filter_ids is not None else None
+    for shard in list_shards(directory):
+        parquet = pq.ParquetFile(shard)
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+            if id_set is not None:
+                import pyarrow.compute as pc
+
+                batch = batch.filter(pc.is_in(batch.column("id"), value_set=id_set))
+                if batch.num_rows == 0:
+                    continue
+            yield batch
+
+
+def count_rows(directory: str | os.PathLike) -> int:
+    return sum(pq.ParquetFile(s).metadata.num_rows for s in list_shards(directory))
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AssayError(f"{directory}: no {MANIFEST}; the stage that writes it did not finish") from None
+    except json.JSONDecodeError as exc:
+        raise AssayError(f"{path}: corrupt manifest ({exc})") from None
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    atomic_write_json(Path(directory) / MANIFEST, manifest)

@@ -1,0 +1,177 @@
+"""Resumable stage output: each task writes a staged unit, then one commit.
+
+A stage splits its input into units (files, groups of files, shards) and
+runs one task per unit. A task writes its documents, decisions and
+quarantined records under ``OUT/.staging/<unit>/`` and, last of all, a
+``done.json``. A unit with ``done.json`` is finished and is never redone, so
+rerunning a killed stage resumes where it stopped.
+
+When every unit is done, :func:`commit` renames the staged files into the
+dataset's ``part-NNNNN.parquet`` sequence, in unit order, and writes the
+manifest. Renames are atomic and the part numbers are computed from the
+``done.json`` files, so a commit killed halfway is finished by the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from assay.errors import AssayError
+
+from assay.schema import DECISION_SCHEMA, QUARANTINE_SCHEMA
+from assay.shards import (
+    DECISIONS_DIR,
+    MANIFEST,
+    QUARANTINE_DIR,
+    ShardWriter,
+    atomic_write_json,
+    remove_temporaries,
+    shard_name,
+    write_manifest,
+)
+
+STAGING_DIR = ".staging"
+DONE = "done.json"
+
+
+def _staged_name(prefix: str):
+    return lambda i: f"{prefix}-{i:05d}.parquet"
+
+
+@dataclass
+class UnitResult:
+    """What one finished unit produced; small, so Prefect can pass it around."""
+
+    unit: str
+    docs: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
+    quarantine: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    skipped: bool = False  # finished by an earlier run
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "skipped"}
+
+
+class UnitWriter:
+    """Collects one unit's three outputs in its staging folder."""
+
+    def __init__(self, out_dir: str | os.PathLike, unit: str, doc_schema: pa.Schema, *, target_bytes: int):
+        self.unit = unit
+        self.path = Path(out_dir) / STAGING_DIR / unit
+        if self.path.exists():  # a killed earlier attempt: start the unit over
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        self.docs = ShardWriter(self.path, doc_schema, target_bytes=target_bytes, name_for=_staged_name("docs"))
+        self.decisions = ShardWriter(self.path, DECISION_SCHEMA, target_bytes=target_bytes, name_for=_staged_name("decisions"))
+        self.quarantine = ShardWriter(self.path, QUARANTINE_SCHEMA, target_bytes=target_bytes, name_for=_staged_name("quarantine"))
+        self.counts: Counter[str] = Counter()
+
+    def finish(self, *, bytes_in: int, seconds: float) -> UnitResult:
+        docs = self.docs.close()
+        result = UnitResult(
+            unit=self.unit,
+            docs=[s.name for s in docs],
+            decisions=[s.name for s in self.decisions.close()],
+            quarantine=[s.name for s in self.quarantine.close()],
+            counts=dict(self.counts),
+            bytes_in=bytes_in,
+            bytes_out=sum(s.bytes for s in docs),
+            seconds=seconds,
+        )
+        atomic_write_json(self.path / DONE, result.to_json())
+        return result
+
+    def abort(self) -> None:
+        for writer in (self.docs, self.decisions, self.quarantine):
+            writer.abort()
+
+
+def finished_unit(out_dir: str | os.PathLike, unit: str) -> UnitResult | None:
+    """The result of a unit finished by an earlier run, or None."""
+    done = Path(out_dir) / STAGING_DIR / unit / DONE
+    if not done.is_file():
+        return None
+    data = json.loads(done.read_text())
+    return UnitResult(**data, skipped=True)
+
+
+def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = False) -> bool:
+    """Get `out_dir` ready for a run; returns True when it is already complete.
+
+    - a finished dataset with the same fingerprint (inputs + params) is kept;
+    - a finished dataset of other inputs is replaced only with `overwrite`, so
+      that a typo in --out cannot wipe a dataset;
+    - a folder that is not an Assay dataset is never written into;
+    - a staging area left by a killed run of the same inputs is resumed.
+    """
+    out = Path(out_dir)
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        try:
+            previous = json.loads(manifest.read_text()).get("fingerprint")
+        except json.JSONDecodeError:
+            previous = None
+        if previous == fingerprint:
+            return True
+        if not overwrite:
+            raise AssayError(
+                f"{out}: holds a finished dataset made from other inputs or params; "
+                "pass --overwrite to replace it"
+            )
+        shutil.rmtree(out)
+    elif out.is_dir() and any(out.iterdir()) and not (out / STAGING_DIR).is_dir():
+        raise AssayError(f"{out}: exists and is not an Assay dataset; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / STAGING_DIR
+    marker = staging / "fingerprint"
+    if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
+        shutil.rmtree(staging)  # staged units of other inputs cannot be resumed
+    staging.mkdir(exist_ok=True)
+    marker.write_text(fingerprint)
+    remove_temporaries(out)
+    return False
+
+
+def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str, Any]) -> dict[str, Any]:
+    """Move every staged unit into place, in `units` order, then write the manifest.
+
+    Returns the manifest with the `shards` list filled in.
+    """
+    out = Path(out_dir)
+    staging = out / STAGING_DIR
+    counters = {"docs": 0, "decisions": 0, "quarantine": 0}
+    targets = {"docs": out, "decisions": out / DECISIONS_DIR, "quarantine": out / QUARANTINE_DIR}
+    shards = []
+    for unit in units:
+        result = finished_unit(out, unit)
+        if result is None:
+            raise RuntimeError(f"unit {unit} is not finished; cannot commit")
+        for kind, names in (("docs", result.docs), ("decisions", result.decisions), ("quarantine", result.quarantine)):
+            for name in names:
+                dest = targets[kind] / shard_name(counters[kind])
+                counters[kind] += 1
+                src = staging / unit / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if src.exists():
+                    os.replace(src, dest)
+                elif not dest.exists():
+                    raise RuntimeError(f"staged file {src} vanished before commit")
+                if kind == "docs":
+                    shards.append(dest.name)
+    manifest = dict(manifest, shards=shards)
+    write_manifest(out, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+    return manifest

@@ -1,0 +1,1 @@
+"""Pure data-quality filters over Arrow record batches (no Prefect, DVC or Weaviate here)."""

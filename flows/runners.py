@@ -1,0 +1,33 @@
+"""The task runner named in params.yaml (`flow.task_runner`).
+
+Threads by default. Dask and Ray come from Prefect's own integrations, so the
+same flow runs on a cluster without code changes; they are optional installs.
+"""
+
+from __future__ import annotations
+
+from assay.config import FlowParams
+from assay.errors import AssayError
+
+
+def task_runner(params: FlowParams):
+    kind = params.task_runner
+    if kind == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=params.max_workers)
+    if kind == "dask":
+        try:
+            from prefect_dask import DaskTaskRunner
+        except ImportError:
+            raise AssayError("flow.task_runner=dask needs `pip install prefect-dask`") from None
+        if params.address:
+            return DaskTaskRunner(address=params.address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": params.max_workers})
+    if kind == "ray":
+        try:
+            from prefect_ray import RayTaskRunner
+        except ImportError:
+            raise AssayError("flow.task_runner=ray needs `pip install prefect-ray`") from None
+        return RayTaskRunner(address=params.address) if params.address else RayTaskRunner()
+    raise AssayError(f"params: flow.task_runner = {kind!r}; expected threads, dask or ray")

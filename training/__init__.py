@@ -1,0 +1,1 @@
+"""Training: the decoder LM, its parallelisms and telemetry (imports assay schema/IO only)."""
