@@ -44,6 +44,7 @@ test: install
 
 bench: install
 	$(PYTHON) bench/ingest.py
+	$(PYTHON) bench/static.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

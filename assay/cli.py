@@ -98,6 +98,101 @@ def ingest(
     report.as_json(manifest) if json_output else report.ingest_summary(manifest)
 
 
+run_app = typer.Typer(help="Run one pipeline stage on a dataset (each is a Prefect flow).", no_args_is_help=True)
+quality_app = typer.Typer(help="Tier 1's quality head: train and evaluate it.", no_args_is_help=True)
+app.add_typer(run_app, name="run")
+app.add_typer(quality_app, name="quality")
+
+
+@run_app.command("static")
+def run_static(
+    input_dir: Path = typer.Option(..., "--in", help="Input dataset (for example data/raw)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory."),
+    overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Tier 1: heuristics (Gopher, C4, FineWeb) on text, then the encoder's quality score.
+
+    Every surviving document is embedded once (OUT/embeddings/); text keeps
+    when quality >= static.threshold. Needs a trained head (`assay quality train`)
+    unless static.model names a sequence classifier.
+    """
+    from assay import report
+    from flows.static import run_static as run
+
+    _quiet_console_tracebacks()
+    manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
+    report.as_json(manifest) if json_output else report.stage_summary(manifest)
+
+
+@run_app.command("domain")
+def run_domain(
+    input_dir: Path = typer.Option(..., "--in", help="Input dataset (for example data/static)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory."),
+    overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Tier 3 on code: language ID, The Stack v2 rules, tree-sitter parsing, the domain model's perplexity.
+
+    Text passes through untouched. Prints per-rule drop counts and the
+    effective-code ratio before and after. Needs the domain model
+    (`assay domain train`) unless domain.model.model names another causal LM.
+    """
+    from assay import report
+    from flows.domain import run_domain as run
+
+    _quiet_console_tracebacks()
+    manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
+    report.as_json(manifest) if json_output else report.stage_summary(manifest)
+
+
+@quality_app.command("train")
+def quality_train(
+    data: Optional[Path] = typer.Option(None, "--data", help="Raw dataset: reference positives vs sampled negatives."),
+    labels: Optional[Path] = typer.Option(None, "--labels", help="Labelled file (.jsonl/.csv/.parquet): `label` and `text` or `id`."),
+    out: Path = typer.Option(Path("models/quality"), "--out", "-o", help="Where to save the head."),
+    finetune: bool = typer.Option(False, help="Fine-tune the whole encoder with the head (slow on CPU)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Train the quality head and report held-out AUC, precision/recall at the threshold, and calibration.
+
+    Default recipe (GPT-3 / LLaMA): positives are the reference sources
+    (quality.reference_sources), negatives are sampled from the rest of --data's text.
+    """
+    from assay import report
+    from flows.quality import quality_train_flow
+
+    _quiet_console_tracebacks()
+    result = quality_train_flow(str(data) if data else None, str(out), labels=str(labels) if labels else None,
+                                finetune=finetune, params_file=_params_file())
+    report.as_json(result) if json_output else report.quality_report(result)
+
+
+domain_app = typer.Typer(help="Tier 3's domain model: train it.", no_args_is_help=True)
+app.add_typer(domain_app, name="domain")
+
+
+@domain_app.command("train")
+def domain_train(
+    data: Path = typer.Option(..., "--data", help="Dataset holding the reference code (for example data/static)."),
+    out: Path = typer.Option(Path("models/domain"), "--out", "-o", help="Where to save the model (save_pretrained)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Train the small GPT-2-architecture code LM whose perplexity is tier 3's second screen.
+
+    Reference code: domain.train.reference_sources / reference_langs that pass
+    the code rules and parse. Any Hugging Face causal LM can replace it via
+    domain.model.model.
+    """
+    from assay import report
+    from flows.domain_model import domain_model_flow
+
+    _quiet_console_tracebacks()
+    result = domain_model_flow(str(data), str(out), params_file=_params_file())
+    if json_output:
+        report.as_json(result)
+
+
 @app.command()
 def stats(
     data: Path = typer.Argument(..., metavar="DIR", help="A dataset directory."),

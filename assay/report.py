@@ -74,15 +74,74 @@ def story(doc_id: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
         console.print(f"no decisions about {doc_id} in the given datasets")
         return
-    table = Table(title=f"why {doc_id}")
-    for column in ("dataset", "stage", "kept", "reason", "scores", "detail"):
-        table.add_column(column)
+    console.print(f"[bold]why {doc_id}[/] ({len(rows)} decision(s), oldest first)")
     for row in rows:
-        scores = ", ".join(f"{k}={v:.4g}" for k, v in row["scores"].items()) if row["scores"] else ""
-        table.add_row(row["dataset"], row["stage"], "kept" if row["kept"] else "[red]dropped[/]",
-                      row["reason"] or "", scores, row["detail"] or "")
-    console.print(table)
+        verdict = "[green]kept[/]" if row["kept"] else f"[red]dropped[/] [bold]{row['reason']}[/]"
+        console.print(f"• {row['stage']} ({row['dataset']}): {verdict}")
+        if row.get("detail"):
+            console.print(f"    detail: {row['detail']}", markup=False, highlight=False)
+        scores = row.get("scores") or {}
+        if scores:
+            # The score behind the reason first, then the rest, grouped by filter.
+            reason = row.get("reason") or ""
+            ordered = sorted(scores.items(), key=lambda kv: (not kv[0].startswith(reason) if reason else True, kv[0]))
+            console.print("    scores: " + ", ".join(f"{k}={v:.4g}" for k, v in ordered), markup=False, highlight=False)
 
 
 def as_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str, ensure_ascii=False))
+
+
+def stage_summary(manifest: dict[str, Any]) -> None:
+    counts, timings = manifest["counts"], manifest.get("timings", {})
+    table = Table(title=f"{manifest['stage']}: {len(manifest.get('shards', []))} shard(s) out")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_row("documents in", f"{counts.get('input', 0):,}")
+    table.add_row("kept", f"{counts.get('kept', 0):,}")
+    table.add_row("dropped", f"{counts.get('dropped', 0):,}")
+    by_filter: dict[str, int] = {}
+    for reason, n in counts.get("by_reason", {}).items():
+        by_filter[reason.split(":", 1)[0]] = by_filter.get(reason.split(":", 1)[0], 0) + n
+    for name, n in sorted(by_filter.items(), key=lambda kv: -kv[1]):
+        table.add_row(f"  {name}", f"{n:,}")
+        for reason, m in sorted(counts["by_reason"].items(), key=lambda kv: -kv[1]):
+            if reason.split(":", 1)[0] == name and reason != name:
+                table.add_row(f"    {reason}", f"{m:,}")
+    for key in ("embedded", "lang_corrected"):
+        if key in counts:
+            table.add_row(key, f"{counts[key]:,}")
+    ratio = manifest.get("effective_code_ratio")
+    if ratio and ratio.get("before") is not None:
+        after = f"{ratio['after']:.1%}" if ratio.get("after") is not None else "-"
+        table.add_row("effective-code ratio", f"{ratio['before']:.1%} → {after}")
+        for part, value in ratio["parts_before"].items():
+            later = ratio["parts_after"].get(part)
+            table.add_row(f"  {part}", f"{value:.1%} → {later:.1%}" if later is not None else f"{value:.1%}")
+    if timings.get("seconds"):
+        table.add_row("time", f"{timings['seconds']:.1f} s ({timings.get('docs_per_second')} docs/s)")
+    if counts.get("units_resumed"):
+        table.add_row("tasks resumed from an earlier run", f"{counts['units_resumed']}")
+    console.print(table)
+
+
+def quality_report(result: dict[str, Any]) -> None:
+    training = result["training"]
+    console.print(f"[bold]quality head[/] → {result['out']} ({result['recipe']}): {training['examples']} examples, "
+                  f"{training['train']} train / {training['held_out']} held out, {training['seconds']} s")
+    for name in ("head", "finetuned"):
+        if name not in result:
+            continue
+        metrics = result[name]
+        at = metrics["at_threshold"]
+        console.print(f"{name}: held-out AUC {metrics['auc']:.4f}; at threshold {at['threshold']}: "
+                      f"precision {at['precision']:.3f}, recall {at['recall']:.3f}, accuracy {at['accuracy']:.3f}; "
+                      f"ECE {metrics['ece']:.3f}")
+        table = Table(title=f"calibration ({name}, held out)")
+        for column in ("score bin", "count", "mean predicted", "observed positive"):
+            table.add_column(column, justify="right")
+        for row in metrics["calibration"]:
+            if row["count"]:
+                table.add_row(f"{row['low']:.1f}-{row['high']:.1f}", str(row["count"]),
+                              f"{row['mean_predicted']:.3f}", f"{row['observed_positive']:.3f}")
+        console.print(table)

@@ -88,6 +88,19 @@ QUARANTINE_SCHEMA = pa.schema(
 )
 
 
+# --- embeddings --------------------------------------------------------------
+
+
+def embedding_schema(dim: int) -> pa.Schema:
+    """`embeddings/part-*.parquet`: one L2-normalised vector per document id."""
+    return pa.schema(
+        [
+            pa.field("id", pa.string(), nullable=False),
+            pa.field("vector", pa.list_(pa.float32(), dim), nullable=False),
+        ]
+    )
+
+
 # --- ids ---------------------------------------------------------------------
 
 

@@ -47,14 +47,16 @@ def _staged_name(prefix: str):
     return lambda i: f"{prefix}-{i:05d}.parquet"
 
 
+#: The streams every stage writes; a stage may add its own (e.g. embeddings).
+DOCS, DECISIONS, QUARANTINE = "docs", DECISIONS_DIR, QUARANTINE_DIR
+
+
 @dataclass
 class UnitResult:
     """What one finished unit produced; small, so Prefect can pass it around."""
 
     unit: str
-    docs: list[str] = field(default_factory=list)
-    decisions: list[str] = field(default_factory=list)
-    quarantine: list[str] = field(default_factory=list)
+    files: dict[str, list[str]] = field(default_factory=dict)  # stream → staged file names
     counts: dict[str, int] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -66,36 +68,49 @@ class UnitResult:
 
 
 class UnitWriter:
-    """Collects one unit's three outputs in its staging folder."""
+    """Collects one unit's outputs (documents, decisions, quarantine, extras) in its staging folder."""
 
-    def __init__(self, out_dir: str | os.PathLike, unit: str, doc_schema: pa.Schema, *, target_bytes: int):
+    def __init__(self, out_dir: str | os.PathLike, unit: str, doc_schema: pa.Schema, *, target_bytes: int,
+                 extra: dict[str, pa.Schema] | None = None):
         self.unit = unit
         self.path = Path(out_dir) / STAGING_DIR / unit
         if self.path.exists():  # a killed earlier attempt: start the unit over
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
-        self.docs = ShardWriter(self.path, doc_schema, target_bytes=target_bytes, name_for=_staged_name("docs"))
-        self.decisions = ShardWriter(self.path, DECISION_SCHEMA, target_bytes=target_bytes, name_for=_staged_name("decisions"))
-        self.quarantine = ShardWriter(self.path, QUARANTINE_SCHEMA, target_bytes=target_bytes, name_for=_staged_name("quarantine"))
+        schemas = {DOCS: doc_schema, DECISIONS: DECISION_SCHEMA, QUARANTINE: QUARANTINE_SCHEMA, **(extra or {})}
+        self.streams = {
+            name: ShardWriter(self.path, schema, target_bytes=target_bytes, name_for=_staged_name(name))
+            for name, schema in schemas.items()
+        }
         self.counts: Counter[str] = Counter()
 
+    @property
+    def docs(self) -> ShardWriter:
+        return self.streams[DOCS]
+
+    @property
+    def decisions(self) -> ShardWriter:
+        return self.streams[DECISIONS]
+
+    @property
+    def quarantine(self) -> ShardWriter:
+        return self.streams[QUARANTINE]
+
     def finish(self, *, bytes_in: int, seconds: float) -> UnitResult:
-        docs = self.docs.close()
+        shards = {name: writer.close() for name, writer in self.streams.items()}
         result = UnitResult(
             unit=self.unit,
-            docs=[s.name for s in docs],
-            decisions=[s.name for s in self.decisions.close()],
-            quarantine=[s.name for s in self.quarantine.close()],
+            files={name: [s.name for s in infos] for name, infos in shards.items()},
             counts=dict(self.counts),
             bytes_in=bytes_in,
-            bytes_out=sum(s.bytes for s in docs),
+            bytes_out=sum(s.bytes for s in shards[DOCS]),
             seconds=seconds,
         )
         atomic_write_json(self.path / DONE, result.to_json())
         return result
 
     def abort(self) -> None:
-        for writer in (self.docs, self.decisions, self.quarantine):
+        for writer in self.streams.values():
             writer.abort()
 
 
@@ -148,28 +163,30 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
 def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str, Any]) -> dict[str, Any]:
     """Move every staged unit into place, in `units` order, then write the manifest.
 
+    Documents become ``part-NNNNN.parquet``; every other stream goes to a
+    folder of its name (``decisions/``, ``quarantine/``, ``embeddings/``…).
     Returns the manifest with the `shards` list filled in.
     """
     out = Path(out_dir)
     staging = out / STAGING_DIR
-    counters = {"docs": 0, "decisions": 0, "quarantine": 0}
-    targets = {"docs": out, "decisions": out / DECISIONS_DIR, "quarantine": out / QUARANTINE_DIR}
+    counters: Counter[str] = Counter()
     shards = []
     for unit in units:
         result = finished_unit(out, unit)
         if result is None:
             raise RuntimeError(f"unit {unit} is not finished; cannot commit")
-        for kind, names in (("docs", result.docs), ("decisions", result.decisions), ("quarantine", result.quarantine)):
+        for stream, names in result.files.items():
+            folder = out if stream == DOCS else out / stream
             for name in names:
-                dest = targets[kind] / shard_name(counters[kind])
-                counters[kind] += 1
+                dest = folder / shard_name(counters[stream])
+                counters[stream] += 1
                 src = staging / unit / name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if src.exists():
                     os.replace(src, dest)
                 elif not dest.exists():
                     raise RuntimeError(f"staged file {src} vanished before commit")
-                if kind == "docs":
+                if stream == DOCS:
                     shards.append(dest.name)
     manifest = dict(manifest, shards=shards)
     write_manifest(out, manifest)

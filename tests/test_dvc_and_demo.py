@@ -60,29 +60,37 @@ def dvc_repo(tmp_path):
     return repo, env
 
 
-def test_dvc_repro_runs_ingest_and_versions_it(dvc_repo):
+def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     repo, env = dvc_repo
     dvc = str(BIN / "dvc")
     _run([dvc, "repro"], repo, env)
     manifest = json.loads((repo / "data/raw/manifest.json").read_text())
     assert manifest["stage"] == "ingest" and manifest["counts"]["documents"] > 30
     assert list((repo / "data/raw").glob("part-*.parquet"))
+    head = json.loads((repo / "models/quality/config.json").read_text())
+    assert head["metrics"]["auc"] > 0.5
+    static = json.loads((repo / "data/static/manifest.json").read_text())
+    assert static["stage"] == "static" and static["counts"]["input"] == manifest["counts"]["documents"]
+    assert list((repo / "data/static/embeddings").glob("part-*.parquet"))
     assert "up to date" in _run([dvc, "status"], repo, env)
 
-    _run(["git", "add", "dvc.lock", "data/.gitignore"], repo, env)
+    _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore"], repo, env)
     _run(["git", "commit", "-qm", "data v1"], repo, env)
     _run([dvc, "push", "-q"], repo, env)
 
-    # A changed knob makes the stage stale.
+    # A changed knob makes exactly the stages that read it stale.
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["demo"]["seed"] = 1
+    params["static"]["threshold"] = 0.6
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert "modified:" in _run([dvc, "status"], repo, env)
+    status = _run([dvc, "status"], repo, env)
+    assert "static:" in status and "quality-head:" in status and "ingest:" not in status
     _run(["git", "checkout", "params.yaml"], repo, env)
 
     # The version can be restored from the remote alone.
-    shutil.rmtree(repo / "data/raw")
+    shutil.rmtree(repo / "data")
+    shutil.rmtree(repo / "models")
     shutil.rmtree(repo / ".dvc/cache")
     _run([dvc, "pull", "-q"], repo, env)
     assert json.loads((repo / "data/raw/manifest.json").read_text()) == manifest
+    assert json.loads((repo / "data/static/manifest.json").read_text()) == static
     assert "up to date" in _run([dvc, "status"], repo, env)

@@ -1,0 +1,105 @@
+"""The quality head: logistic regression on the encoder's mean-pooled embedding.
+
+The encoder was trained with mean pooling, so a head on the pooled embedding
+fits better than `AutoModelForSequenceClassification`'s fresh head on the
+pooler output. Files under the head directory:
+
+    head.safetensors   weight (1, dim), bias (1,)
+    config.json        the encoder it expects, threshold, recipe, metrics
+    encoder/           only after --finetune: the fine-tuned encoder
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from assay.errors import AssayError
+from assay.shards import atomic_write_bytes, atomic_write_json
+
+WEIGHTS = "head.safetensors"
+CONFIG = "config.json"
+FINETUNED_ENCODER = "encoder"
+
+
+class LinearHead(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 1)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Logits, shape (n,)."""
+        return self.linear(embeddings).squeeze(-1)
+
+    def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return torch.sigmoid(self(torch.from_numpy(np.ascontiguousarray(embeddings, dtype=np.float32)))).numpy()
+
+
+@dataclass
+class HeadConfig:
+    encoder: dict[str, Any]  # EncoderParams as a dict; model may be FINETUNED_ENCODER
+    dim: int
+    threshold: float
+    recipe: str
+    finetuned: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:
+    """Full-batch L-BFGS on the logistic loss: deterministic and quick for ≤1e5 rows."""
+    torch.manual_seed(0)
+    inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    targets = torch.from_numpy(np.asarray(y, dtype=np.float32))
+    head = LinearHead(inputs.shape[1])
+    nn.init.zeros_(head.linear.weight)
+    nn.init.zeros_(head.linear.bias)
+    # Balance the classes so the threshold means the same for any ratio.
+    pos = float(targets.sum())
+    weight = torch.where(targets > 0, len(targets) / (2 * max(pos, 1)), len(targets) / (2 * max(len(targets) - pos, 1)))
+    loss_fn = nn.BCEWithLogitsLoss(weight=weight)
+    optimizer = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(head(inputs), targets) + l2 * head.linear.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return head.eval()
+
+
+def save_head(directory: str | Path, head: LinearHead, config: HeadConfig) -> None:
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {"weight": head.linear.weight.detach().contiguous(), "bias": head.linear.bias.detach().contiguous()}
+    atomic_write_bytes(directory / WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    atomic_write_json(directory / CONFIG, asdict(config))
+
+
+def load_head(directory: str | Path) -> tuple[LinearHead, HeadConfig]:
+    """Load a head; never unpickles (safetensors and JSON only)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not (directory / WEIGHTS).is_file() or not (directory / CONFIG).is_file():
+        raise AssayError(
+            f"{directory}: no trained quality head; make it with `assay quality train --data data/raw` "
+            "(or `dvc repro quality-head`)"
+        )
+    config = HeadConfig(**json.loads((directory / CONFIG).read_text()))
+    tensors = load_file(directory / WEIGHTS)
+    head = LinearHead(config.dim)
+    head.linear.weight.data.copy_(tensors["weight"])
+    head.linear.bias.data.copy_(tensors["bias"])
+    return head.eval(), config

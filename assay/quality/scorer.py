@@ -1,0 +1,125 @@
+"""Documents → `quality` in [0, 1], for the static stage.
+
+Two kinds of model, chosen in params.yaml:
+- `static.head` (default): the logistic head on the shared encoder's
+  embedding, which the stage computes anyway, so scoring costs nothing extra;
+- `static.model`: a full `AutoModelForSequenceClassification` (for example a
+  FineWeb-Edu-style regression classifier), whose output `static.score` maps
+  to [0, 1].
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from assay.config import EncoderParams, ScoreParams, StaticParams
+from assay.devices import pick_device
+from assay.encoder import CHARS_PER_TOKEN_BOUND, use_bf16
+from assay.errors import AssayError
+from assay.quality.head import FINETUNED_ENCODER, load_head
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray: ...
+
+
+class HeadScorer:
+    def __init__(self, directory: str | Path):
+        self.head, self.config = load_head(directory)
+        self.name = f"head:{directory}"
+
+    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+        return self.head.probabilities(embeddings).astype(np.float64)
+
+
+def map_scores(logits: torch.Tensor, params: ScoreParams) -> np.ndarray:
+    logits = logits.float()
+    if params.mode == "softmax":
+        if logits.shape[-1] < 2:
+            raise AssayError("static.score.mode=softmax needs a model with two or more labels")
+        return torch.softmax(logits, dim=-1)[:, params.positive_index].numpy().astype(np.float64)
+    if params.mode == "sigmoid":
+        return torch.sigmoid(logits[:, 0]).numpy().astype(np.float64)
+    if params.mode == "regression":
+        span = params.high - params.low
+        if span <= 0:
+            raise AssayError("static.score: high must be greater than low")
+        return ((logits[:, 0] - params.low) / span).clamp(0, 1).numpy().astype(np.float64)
+    raise AssayError(f"params: static.score.mode = {params.mode!r}; expected softmax, sigmoid or regression")
+
+
+class SequenceClassifierScorer:
+    """A full classifier, run with the same length-sorted batching as the encoder."""
+
+    def __init__(self, model: str, score: ScoreParams, encoder: EncoderParams):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.params = score
+        self.batch_size = encoder.batch_size
+        self.device = pick_device(encoder.device)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model)
+            self.model = AutoModelForSequenceClassification.from_pretrained(model).to(self.device).eval()
+        except (OSError, ValueError) as exc:  # ValueError: a directory without a tokenizer
+            raise AssayError(f"static.model {model!r}: cannot load ({str(exc).splitlines()[0]})") from None
+        self.max_length = min(encoder.max_length, getattr(self.model.config, "max_position_embeddings", 512))
+        self.bf16 = use_bf16(encoder.precision, self.device)
+        self.name = f"classifier:{model}"
+        self._lock = threading.Lock()
+
+    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(texts), dtype=np.float64)
+        if not texts:
+            return out
+        clipped = [t[: self.max_length * CHARS_PER_TOKEN_BOUND] for t in texts]
+        ids = self.tokenizer(clipped, truncation=True, max_length=self.max_length)["input_ids"]
+        order = np.argsort([len(x) for x in ids], kind="stable")
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                index = order[start : start + self.batch_size]
+                batch = self.tokenizer.pad({"input_ids": [ids[i] for i in index]}, return_tensors="pt")
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    logits = self.model(**batch).logits
+                out[index] = map_scores(logits.cpu(), self.params)
+        return out
+
+
+def encoder_for(params: StaticParams) -> EncoderParams:
+    """The encoder the stage must use: a fine-tuned head brings its own.
+
+    A head trained on another encoder than `static.encoder` would score
+    vectors from a space it never saw, so that is an error, not a warning.
+    """
+    if params.model:
+        return params.encoder
+    head_dir = Path(params.head)
+    config_path = head_dir / "config.json"
+    if not config_path.is_file():
+        load_head(head_dir)  # raises the error that names the command to run
+    import json
+
+    trained = json.loads(config_path.read_text())["encoder"]
+    if trained["model"] == FINETUNED_ENCODER:
+        return EncoderParams(**{**params.encoder.__dict__, "model": str(head_dir / FINETUNED_ENCODER),
+                                "max_length": trained["max_length"]})
+    if trained["model"] != params.encoder.model or trained["max_length"] != params.encoder.max_length:
+        raise AssayError(
+            f"{head_dir}: the head was trained on encoder {trained['model']!r} (max_length {trained['max_length']}) "
+            f"but static.encoder is {params.encoder.model!r} (max_length {params.encoder.max_length}); "
+            "retrain it with `assay quality train`"
+        )
+    return params.encoder
+
+
+def build_scorer(params: StaticParams) -> Scorer:
+    if params.model:
+        return SequenceClassifierScorer(params.model, params.score, params.encoder)
+    return HeadScorer(params.head)

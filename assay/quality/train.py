@@ -1,0 +1,206 @@
+"""`assay quality train`: build a labelled set, train the head, evaluate it held out.
+
+Two ways to get labels:
+- the reference recipe (GPT-3, LLaMA): positives are documents of curated
+  reference sources, negatives are sampled from the rest of the raw corpus's
+  text. On the demo corpus the reference is the Python reference topics and
+  the man pages; the negatives are everything else that is prose.
+- a labelled file (.jsonl, .csv or .parquet) with `label` and either `text`
+  or `id` (ids are looked up in --data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from assay.config import EncoderParams, Params
+from assay.encoder import Encoder
+from assay.errors import AssayError
+from assay.quality.head import FINETUNED_ENCODER, HeadConfig, LinearHead, fit_logistic, save_head
+from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
+from assay.schema import KIND_TEXT
+from assay.shards import iter_batches, require_dataset
+
+#: Examples kept per class at most (reservoir-sampled), so that building the
+#: set streams any corpus in bounded memory.
+MAX_PER_CLASS = 20_000
+
+
+@dataclass
+class Examples:
+    texts: list[str]
+    labels: np.ndarray  # bool
+    ids: list[str]
+
+
+def reference_examples(data: str | Path, params: Params) -> Examples:
+    """Positives: text of the reference sources. Negatives: other raw text, sampled."""
+    require_dataset(data)
+    q = params.quality
+    reference = pa.array(q.reference_sources, pa.string())
+    rng = random.Random(q.seed)
+    positives: list[tuple[str, str]] = []
+    negatives: list[tuple[str, str]] = []
+    seen_neg = 0
+    for batch in iter_batches(data, columns=["id", "text", "kind", "source"]):
+        batch = batch.filter(pc.equal(batch.column("kind"), KIND_TEXT))
+        is_ref = pc.is_in(batch.column("source"), value_set=reference).to_numpy(zero_copy_only=False)
+        ids, texts = batch.column("id").to_pylist(), batch.column("text").to_pylist()
+        for i, flag in enumerate(is_ref):
+            if flag:
+                if len(positives) < MAX_PER_CLASS:
+                    positives.append((ids[i], texts[i]))
+            else:  # reservoir sample: every negative equally likely
+                seen_neg += 1
+                if len(negatives) < MAX_PER_CLASS:
+                    negatives.append((ids[i], texts[i]))
+                else:
+                    j = rng.randrange(seen_neg)
+                    if j < MAX_PER_CLASS:
+                        negatives[j] = (ids[i], texts[i])
+    if not positives:
+        raise AssayError(
+            f"{data}: no text from the reference sources {q.reference_sources}; "
+            "set quality.reference_sources or pass --labels FILE"
+        )
+    if not negatives:
+        raise AssayError(f"{data}: no text outside the reference sources to sample negatives from")
+    wanted = max(1, round(len(positives) * q.negatives_per_positive))
+    negatives = sorted(negatives) if len(negatives) <= wanted else sorted(rng.sample(negatives, wanted))
+    rows = [(i, t, True) for i, t in positives] + [(i, t, False) for i, t in negatives]
+    return Examples([r[1] for r in rows], np.array([r[2] for r in rows]), [r[0] for r in rows])
+
+
+def _read_table(path: Path) -> pa.Table:
+    import pyarrow.csv as pcsv
+    import pyarrow.json as pjson
+    import pyarrow.parquet as pq
+
+    name = path.name.lower()
+    try:
+        if name.endswith(".parquet"):
+            return pq.read_table(path)
+        if name.endswith(".csv"):
+            return pcsv.read_csv(path)
+        if name.endswith((".jsonl", ".json", ".ndjson")):
+            return pjson.read_json(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise AssayError(f"{path}: cannot read labels ({str(exc).splitlines()[0]})") from None
+    raise AssayError(f"{path}: labels must be .jsonl, .csv or .parquet")
+
+
+def labelled_examples(path: str | Path, data: str | Path | None) -> Examples:
+    path = Path(path)
+    if not path.is_file():
+        raise AssayError(f"{path}: no such labels file")
+    table = _read_table(path)
+    names = table.column_names
+    if "label" not in names or not ({"text", "id"} & set(names)):
+        raise AssayError(f"{path}: needs a `label` column and `text` or `id` (has: {', '.join(names)})")
+    labels = np.asarray(table.column("label").cast(pa.float64()).to_numpy(zero_copy_only=False)) >= 0.5
+    if "text" in names:
+        texts = table.column("text").cast(pa.string()).to_pylist()
+        ids = table.column("id").cast(pa.string()).to_pylist() if "id" in names else [f"row:{i}" for i in range(len(texts))]
+    else:
+        if data is None:
+            raise AssayError(f"{path}: has ids but no text; pass --data DIR to look the ids up")
+        ids = table.column("id").cast(pa.string()).to_pylist()
+        found: dict[str, str] = {}
+        for batch in iter_batches(data, columns=["id", "text"], filter_ids=ids):
+            found.update(zip(batch.column("id").to_pylist(), batch.column("text").to_pylist()))
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise AssayError(f"{path}: {len(missing)} ids not found in {data} (first: {missing[0]})")
+        texts = [found[i] for i in ids]
+    if labels.all() or not labels.any():
+        raise AssayError(f"{path}: labels must include both classes")
+    return Examples(texts, labels, ids)
+
+
+def split(n: int, labels: np.ndarray, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stratified train / held-out split of row indices."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for cls in (True, False):
+        rows = np.flatnonzero(labels == cls)
+        rng.shuffle(rows)
+        k = max(1, int(round(len(rows) * holdout))) if len(rows) > 1 else 0
+        test.extend(rows[:k])
+        train.extend(rows[k:])
+    return np.sort(np.array(train, dtype=int)), np.sort(np.array(test, dtype=int))
+
+
+def evaluate(labels: np.ndarray, probabilities: np.ndarray, threshold: float) -> dict[str, Any]:
+    table = calibration_table(labels, probabilities)
+    return {
+        "n": int(len(labels)),
+        "positives": int(labels.sum()),
+        "auc": roc_auc(labels, probabilities),
+        "at_threshold": precision_recall(labels, probabilities, threshold),
+        "calibration": table,
+        "ece": expected_calibration_error(table),
+    }
+
+
+def train_head(
+    examples: Examples, params: Params, out: str | Path, *, recipe: str, finetune: bool = False,
+    progress=None,
+) -> dict[str, Any]:
+    """Embed, fit, evaluate held out, save. Returns the report (also in config.json)."""
+    started = time.perf_counter()
+    q = params.quality
+    threshold = params.static.threshold
+    train_rows, test_rows = split(len(examples.texts), examples.labels, q.holdout, q.seed)
+    encoder = Encoder(params.static.encoder)
+    embeddings = encoder.encode(examples.texts, progress=progress)
+    head = fit_logistic(embeddings[train_rows], examples.labels[train_rows], l2=q.l2)
+    encoder_params = dataclasses.asdict(params.static.encoder)
+    report: dict[str, Any] = {"head": evaluate(examples.labels[test_rows], head.probabilities(embeddings[test_rows]), threshold)}
+    if finetune:
+        from assay.quality.finetune import finetune_encoder
+
+        encoder, head = finetune_encoder(encoder, head, [examples.texts[i] for i in train_rows],
+                                         examples.labels[train_rows], epochs=q.finetune_epochs, lr=q.finetune_lr, seed=q.seed)
+        out_encoder = Path(out) / FINETUNED_ENCODER
+        encoder.model.save_pretrained(out_encoder)
+        encoder.tokenizer.save_pretrained(out_encoder)
+        test_embeddings = encoder.encode([examples.texts[i] for i in test_rows])
+        report["finetuned"] = evaluate(examples.labels[test_rows], head.probabilities(test_embeddings), threshold)
+        encoder_params["model"] = FINETUNED_ENCODER
+    final = report["finetuned" if finetune else "head"]
+    config = HeadConfig(
+        encoder=encoder_params,
+        dim=encoder.dim,
+        threshold=threshold,
+        recipe=recipe,
+        finetuned=finetune,
+        metrics=final,
+        training={
+            "examples": len(examples.texts),
+            "train": int(len(train_rows)),
+            "held_out": int(len(test_rows)),
+            "positives": int(examples.labels.sum()),
+            "l2": q.l2,
+            "seed": q.seed,
+            "seconds": round(time.perf_counter() - started, 2),
+            "trained_at": datetime.now(timezone.utc).isoformat(),
+            "bf16": encoder.bf16,
+        },
+    )
+    save_head(out, head, config)
+    return {**report, "training": config.training, "out": str(out), "recipe": recipe}
+
+
+def report_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, default=float)

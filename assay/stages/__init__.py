@@ -1,0 +1,1 @@
+"""Stage logic over shards, as plain functions the Prefect flows map over."""

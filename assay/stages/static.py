@@ -1,0 +1,160 @@
+"""Tier 1 on one shard: heuristics, then the encoder, then the confidence score.
+
+A cascade, per record batch:
+1. the heuristic chain judges `kind == text` rows (sources in
+   `static.heuristics_exempt_sources` are exempt);
+2. every survivor, text or code, is embedded once by the shared encoder and
+   its vector is stored (`embeddings/`) for dedup and the knowledge graph;
+3. text survivors get `quality` = P(high quality); a text row is kept when
+   `quality >= static.threshold`. Code passes to tier 3 with a null quality.
+Every input row gets a decision: the heuristic's reason and scores, or
+`quality:below_threshold` with its score, or kept with its scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from assay.config import Params, StaticParams
+from assay.encoder import Encoder, shared_encoder
+from assay.quality.scorer import Scorer, build_scorer, encoder_for
+from assay.schema import DECISION_SCHEMA, KIND_TEXT, embedding_schema
+from assay.staging import UnitResult, UnitWriter, finished_unit
+from filters.base import Filter
+from filters.heuristics import apply_chain, build_heuristics
+
+STAGE = "static"
+QUALITY = "quality"
+BELOW_THRESHOLD = "quality:below_threshold"
+EMBEDDINGS = "embeddings"
+
+
+@dataclass
+class StaticModels:
+    heuristics: list[Filter]
+    encoder: Encoder
+    scorer: Scorer
+
+
+_MODELS: dict[str, StaticModels] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def load_models(params: StaticParams) -> StaticModels:
+    """Models are loaded once per process and shared by the stage's tasks."""
+    key = json.dumps(params.__dict__, default=lambda o: o.__dict__, sort_keys=True)
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            encoder = shared_encoder(encoder_for(params))
+            _MODELS[key] = StaticModels(build_heuristics(params.heuristics), encoder, build_scorer(params))
+        return _MODELS[key]
+
+
+def output_schema(input_schema: pa.Schema) -> pa.Schema:
+    if QUALITY in input_schema.names:
+        return input_schema
+    return input_schema.append(pa.field(QUALITY, pa.float64()))
+
+
+def _scores_column(score_arrays: dict[str, np.ndarray], n: int) -> pa.Array:
+    """Per row, the non-NaN scores as a map<string, float64>."""
+    names = list(score_arrays)
+    matrix = np.column_stack([score_arrays[k] for k in names]) if names else np.zeros((n, 0))
+    rows = []
+    for i in range(n):
+        values = matrix[i]
+        rows.append([(names[j], float(values[j])) for j in range(len(names)) if not math.isnan(values[j])] or None)
+    return pa.array(rows, type=DECISION_SCHEMA.field("scores").type)
+
+
+def judge_batch(batch: pa.RecordBatch, params: StaticParams, models: StaticModels) -> tuple[
+    np.ndarray, list[str | None], dict[str, np.ndarray], np.ndarray, np.ndarray
+]:
+    """(keep, reason, scores, embedded_rows, embeddings) for one batch."""
+    n = batch.num_rows
+    keep = np.ones(n, dtype=bool)
+    reason: list[str | None] = [None] * n
+    scores: dict[str, np.ndarray] = {}
+
+    exempt = pc.is_in(batch.column("source"), value_set=pa.array(params.heuristics_exempt_sources, pa.string()))
+    judged = np.flatnonzero(~np.asarray(pc.fill_null(exempt, False), dtype=bool))
+    if len(judged):
+        sub = batch if len(judged) == n else batch.take(pa.array(judged))
+        result = apply_chain(models.heuristics, sub)
+        keep[judged] = result.keep
+        for j, i in enumerate(judged):
+            reason[i] = result.reason[j]
+        for key, values in result.scores.items():
+            full = np.full(n, np.nan)
+            full[judged] = values
+            scores[key] = full
+
+    survivors = np.flatnonzero(keep)
+    texts = batch.column("text")
+    survivor_texts = texts.take(pa.array(survivors, pa.int64())).to_pylist() if len(survivors) else []
+    embeddings = models.encoder.encode(survivor_texts)
+
+    is_text = np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_TEXT), False), dtype=bool)
+    quality = np.full(n, np.nan)
+    scored = [j for j, i in enumerate(survivors) if is_text[i]]
+    if scored:
+        rows = survivors[scored]
+        quality[rows] = models.scorer.score([survivor_texts[j] for j in scored], embeddings[scored])
+        low = rows[quality[rows] < params.threshold]
+        keep[low] = False
+        for i in low:
+            reason[i] = BELOW_THRESHOLD
+    scores[QUALITY] = quality
+    return keep, reason, scores, survivors, embeddings
+
+
+def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
+                progress: Callable[[int], None] | None = None) -> UnitResult:
+    """Run tier 1 over one input shard into `out_dir`'s staging area (resumable)."""
+    done = finished_unit(out_dir, key)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    static = params.static
+    models = load_models(static)
+    parquet = pq.ParquetFile(shard)
+    schema = output_schema(parquet.schema_arrow)
+    writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes,
+                        extra={EMBEDDINGS: embedding_schema(models.encoder.dim)})
+    try:
+        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+            keep, reason, scores, embedded, vectors = judge_batch(batch, static, models)
+            n = batch.num_rows
+            out = batch if QUALITY in batch.schema.names else batch.append_column(QUALITY, pa.array(scores[QUALITY], pa.float64(), from_pandas=True))
+            writer.docs.write(out.filter(pa.array(keep)))
+            writer.streams[EMBEDDINGS].write(pa.RecordBatch.from_arrays(
+                [batch.column("id").take(pa.array(embedded, pa.int64())),
+                 pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), models.encoder.dim)],
+                schema=embedding_schema(models.encoder.dim)))
+            writer.decisions.write(pa.RecordBatch.from_arrays(
+                [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
+                 pa.array(reason, pa.string()), _scores_column(scores, n), pa.nulls(n, pa.string())],
+                schema=DECISION_SCHEMA))
+            writer.counts["input"] += n
+            writer.counts["kept"] += int(keep.sum())
+            writer.counts["embedded"] += len(embedded)
+            for r in reason:
+                if r is not None:
+                    writer.counts[f"drop:{r}"] += 1
+            if progress:
+                progress(n)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(bytes_in=Path(shard).stat().st_size, seconds=time.perf_counter() - started)

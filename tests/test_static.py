@@ -1,0 +1,163 @@
+"""Tier 1 end to end: a real head trained here, the real encoder, the Prefect flow."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from assay.errors import AssayError
+from assay.lineage import why
+from assay.shards import iter_batches, read_manifest
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+GARBAGE = "buy now buy now buy now click here\n" * 40
+
+
+@pytest.fixture(scope="module")
+def tier1(tmp_path_factory, prefect_harness):
+    """Two sources (curated reference prose, and web-like text with junk) plus code; head; static output."""
+    from pydoc_data.topics import topics
+
+    from flows.ingest import ingest_flow
+    from flows.quality import quality_train_flow
+    from flows.static import static_flow
+
+    root = tmp_path_factory.mktemp("tier1")
+    reference, web = root / "reference", root / "web"
+    reference.mkdir()
+    web.mkdir()
+    for name in sorted(topics)[:40]:
+        (reference / f"{name}.txt").write_text(topics[name])
+    site = Path(sysconfig.get_paths()["purelib"])
+    for i, meta in enumerate(sorted(site.glob("*.dist-info/METADATA"))[:40]):
+        (web / f"pkg{i}.txt").write_text(meta.read_text(errors="replace"))
+    (web / "junk.txt").write_text(GARBAGE)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("json/encoder.py", "textwrap.py", "colorsys.py"):
+        (web / Path(name).name).write_text((stdlib / name).read_text())
+
+    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    params["quality"]["reference_sources"] = ["reference"]
+    params["static"]["heuristics_exempt_sources"] = ["reference"]
+    params["static"]["head"] = str(root / "head")
+    params["io"]["batch_rows"] = 32
+    params_file = root / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+
+    raw = root / "raw"
+    ingest_flow([str(reference), str(web)], str(raw), params_file=str(params_file))
+    report = quality_train_flow(str(raw), str(root / "head"), params_file=str(params_file))
+    manifest = static_flow(str(raw), str(root / "static"), params_file=str(params_file))
+    return {"root": root, "raw": raw, "out": root / "static", "params": params_file, "manifest": manifest, "report": report}
+
+
+def _rows(folder):
+    return pq.read_table(folder).to_pylist()
+
+
+def test_head_report(tier1):
+    report = tier1["report"]
+    assert report["head"]["auc"] > 0.9
+    assert {"precision", "recall"} <= set(report["head"]["at_threshold"])
+    assert sum(r["count"] for r in report["head"]["calibration"]) == report["training"]["held_out"]
+
+
+def test_every_input_row_has_one_decision(tier1):
+    raw_ids = {i for b in iter_batches(tier1["raw"], columns=["id"]) for i in b.column("id").to_pylist()}
+    decisions = _rows(tier1["out"] / "decisions")
+    assert sorted(d["id"] for d in decisions) == sorted(raw_ids)
+    kept = {d["id"] for d in decisions if d["kept"]}
+    docs = {r["id"]: r for b in iter_batches(tier1["out"]) for r in b.to_pylist()}
+    assert set(docs) == kept
+    counts = tier1["manifest"]["counts"]
+    assert counts["input"] == len(raw_ids) and counts["kept"] == len(kept)
+    assert counts["dropped"] == sum(counts["by_reason"].values()) == len(raw_ids) - len(kept)
+
+
+def test_cascade_reasons_and_scores(tier1):
+    decisions = {d["id"]: d for d in _rows(tier1["out"] / "decisions")}
+    raw = {r["path"]: r for b in iter_batches(tier1["raw"]) for r in b.to_pylist()}
+    junk = decisions[raw["junk.txt"]["id"]]
+    assert not junk["kept"] and junk["reason"].startswith("gopher_repetition:")
+    scores = dict(junk["scores"])
+    assert "quality" not in scores  # the model never saw it: a cascade
+    dropped_by_model = [d for d in decisions.values() if d["reason"] == "quality:below_threshold"]
+    for d in dropped_by_model:
+        assert dict(d["scores"])["quality"] < 0.5
+    code = decisions[raw["textwrap.py"]["id"]]
+    assert code["kept"] and "quality" not in dict(code["scores"] or [])
+
+
+def test_quality_column_and_code_pass_through(tier1):
+    docs = [r for b in iter_batches(tier1["out"]) for r in b.to_pylist()]
+    for doc in docs:
+        if doc["kind"] == "text":
+            assert doc["quality"] >= 0.5
+        else:
+            assert doc["quality"] is None
+    assert {d["path"] for d in docs if d["kind"] == "code"} == {"encoder.py", "textwrap.py", "colorsys.py"}
+    assert sum(d["source"] == "reference" for d in docs) >= 35  # exempt from heuristics, and scored high
+
+
+def test_embeddings_are_computed_once_for_every_survivor(tier1):
+    from assay.config import load_params
+    from assay.encoder import shared_encoder
+
+    decisions = _rows(tier1["out"] / "decisions")
+    survivors = {d["id"] for d in decisions if d["kept"] or d["reason"] == "quality:below_threshold"}
+    table = pq.read_table(tier1["out"] / "embeddings")
+    assert sorted(table.column("id").to_pylist()) == sorted(survivors)
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4)
+    texts = {r["id"]: r["text"] for b in iter_batches(tier1["raw"]) for r in b.to_pylist()}
+    ids = table.column("id").to_pylist()[:3]
+    fresh = shared_encoder(load_params(tier1["params"]).static.encoder).encode([texts[i] for i in ids])
+    assert np.allclose(fresh, vectors[:3], atol=2e-3)
+
+
+def test_why_tells_the_story_across_stages(tier1):
+    raw = {r["path"]: r for b in iter_batches(tier1["raw"]) for r in b.to_pylist()}
+    story = why(raw["junk.txt"]["id"], [tier1["out"], tier1["raw"]])
+    assert [(s["stage"], s["kept"]) for s in story] == [("ingest", True), ("static", False)]
+    assert story[1]["scores"]["gopher_repetition:dup_line_frac"] > 0.3
+
+
+def test_rerun_is_a_no_op_and_a_killed_run_resumes(tier1):
+    from assay.config import load_params
+    from assay.stages.shard_stage import plan_shards, stage_fingerprint
+    from assay.stages.static import static_unit
+    from assay.staging import prepare
+    from flows.static import static_flow
+
+    again = static_flow(str(tier1["raw"]), str(tier1["out"]), params_file=str(tier1["params"]))
+    assert again["created_at"] == tier1["manifest"]["created_at"]
+
+    out = tier1["root"] / "static-resumed"
+    params = load_params(tier1["params"])
+    units = plan_shards(tier1["raw"])
+    # A run that died after its first shard: same fingerprint, one unit done.
+    import dataclasses
+
+    assert len(units) > 1
+    section = {"static": dataclasses.asdict(params.static), "io": dataclasses.asdict(params.io)}
+    prepare(out, stage_fingerprint(units, section, [params.static.head]))
+    static_unit(units[0].index, units[0].shard, str(out), params, units[0].key)
+    resumed = static_flow(str(tier1["raw"]), str(out), params_file=str(tier1["params"]))
+    assert resumed["counts"]["units_resumed"] == 1
+    assert resumed["counts"]["kept"] == tier1["manifest"]["counts"]["kept"]
+
+
+def test_missing_head_fails_fast_naming_the_command(tier1, tmp_path):
+    from flows.static import static_flow
+
+    params = yaml.safe_load(tier1["params"].read_text())
+    params["static"]["head"] = str(tmp_path / "no-head")
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(params))
+    with pytest.raises(AssayError, match="assay quality train"):
+        static_flow(str(tier1["raw"]), str(tmp_path / "out"), params_file=str(bad))
