@@ -45,6 +45,7 @@ test: install
 bench: install
 	$(PYTHON) bench/ingest.py
 	$(PYTHON) bench/static.py
+	$(PYTHON) bench/domain.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -50,7 +50,9 @@ def dvc_repo(tmp_path):
                GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["demo"].update(stdlib_files=15, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8)
+    params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8)
+    params["domain"]["train"].update(n_layer=1, n_head=2, n_embd=32, context=64, steps=20, vocab_size=1000)
+    params["domain"]["model"]["window"] = 64
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _run(["git", "init", "-q"], repo, env)
     _run([str(BIN / "dvc"), "init", "-q"], repo, env)
@@ -72,6 +74,9 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     static = json.loads((repo / "data/static/manifest.json").read_text())
     assert static["stage"] == "static" and static["counts"]["input"] == manifest["counts"]["documents"]
     assert list((repo / "data/static/embeddings").glob("part-*.parquet"))
+    assert (repo / "models/domain/model.safetensors").is_file()
+    domain = json.loads((repo / "data/domain/manifest.json").read_text())
+    assert domain["stage"] == "domain" and domain["effective_code_ratio"]["code_in"] > 0
     assert "up to date" in _run([dvc, "status"], repo, env)
 
     _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore"], repo, env)
@@ -84,6 +89,7 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     status = _run([dvc, "status"], repo, env)
     assert "static:" in status and "quality-head:" in status and "ingest:" not in status
+    assert "domain-model:" not in status  # a downstream stage is stale only through changed deps
     _run(["git", "checkout", "params.yaml"], repo, env)
 
     # The version can be restored from the remote alone.
@@ -93,4 +99,5 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     _run([dvc, "pull", "-q"], repo, env)
     assert json.loads((repo / "data/raw/manifest.json").read_text()) == manifest
     assert json.loads((repo / "data/static/manifest.json").read_text()) == static
+    assert json.loads((repo / "data/domain/manifest.json").read_text()) == domain
     assert "up to date" in _run([dvc, "status"], repo, env)

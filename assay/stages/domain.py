@@ -1,0 +1,227 @@
+"""Tier 3 on one shard: code gets language ID, The Stack rules, parsing, then the domain model.
+
+A cascade over `kind == code` rows (text passes through untouched):
+1. language identification corrects `lang` where the content disagrees
+   with the file name (`domain.correct_lang`);
+2. the rules (size, line length, alphabetic share, generator markers,
+   encoded data, minified code, data/config files);
+3. syntax: the tree-sitter error-node ratio, with `ast` for Python;
+4. the domain model's perplexity over the first window, for the languages
+   the model knows: above `domain.model.max_perplexity`, or outside the
+   percentile band of the corpus's code perplexities, is dropped. Below
+   the band is as telling as above it: generated tables are too predictable.
+
+The effective-code ratio (the share of code that parses, is not generated,
+minified or encoded data, and lies inside the perplexity band) is measured on
+every input code document, so the stage can report it before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from assay.config import DomainParams, Params
+from assay.domain.perplexity import PerplexityScorer, estimate_band
+from assay.schema import DECISION_SCHEMA, KIND_CODE
+from assay.staging import UnitResult, UnitWriter, finished_unit
+from filters.code_langid import identify_languages
+from filters.code_rules import CodeRulesFilter, effective_code_flags
+from filters.code_syntax import SyntaxFilter
+
+STAGE = "domain"
+PERPLEXITY = "code_perplexity"
+PPL_HIGH = "domain_model:perplexity_high"
+PPL_LOW = "domain_model:perplexity_low"
+#: The parts of the effective-code ratio, each a per-document boolean.
+EFFECTIVE_PARTS = ("parses", "not_generated", "not_minified", "not_encoded_data", "in_band")
+
+
+@dataclass
+class DomainModels:
+    rules: CodeRulesFilter
+    syntax: SyntaxFilter
+    scorer: PerplexityScorer
+
+
+_MODELS: dict[str, DomainModels] = {}
+_LOCK = threading.Lock()
+
+
+def load_models(params: DomainParams) -> DomainModels:
+    key = json.dumps(params, default=lambda o: o.__dict__, sort_keys=True)
+    with _LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = DomainModels(CodeRulesFilter(params.rules), SyntaxFilter(params), PerplexityScorer(params.model))
+        return _MODELS[key]
+
+
+def perplexity_band(shards: list[str], params: DomainParams, models: DomainModels) -> tuple[float, float] | None:
+    """The corpus's perplexity band, estimated on a seeded reservoir sample of its code.
+
+    A sample keeps the stage one pass over the data: each shard's task can
+    decide on its own, and a resumed run recomputes the same band.
+    """
+    if params.model.percentile_band is None:
+        return None
+    rng = random.Random(0)
+    size, seen, sample = params.model.band_sample, 0, []
+    clip = models.scorer.window * 16
+    for shard in shards:
+        for batch in pq.ParquetFile(shard).iter_batches(columns=["text", "kind", "lang"]):
+            for text, kind, lang in zip(*(batch.column(c).to_pylist() for c in ("text", "kind", "lang"))):
+                if kind != KIND_CODE or not models.scorer.screens(lang):
+                    continue
+                seen += 1
+                if len(sample) < size:
+                    sample.append(text[:clip])
+                elif (j := rng.randrange(seen)) < size:
+                    sample[j] = text[:clip]
+    return estimate_band(models.scorer, sample, params.model.percentile_band)
+
+
+def output_schema(input_schema: pa.Schema) -> pa.Schema:
+    if PERPLEXITY in input_schema.names:
+        return input_schema
+    return input_schema.append(pa.field(PERPLEXITY, pa.float64()))
+
+
+def _scores_column(scores: dict[str, np.ndarray], n: int) -> pa.Array:
+    names = list(scores)
+    rows = []
+    for i in range(n):
+        pairs = [(k, float(scores[k][i])) for k in names if not math.isnan(scores[k][i])]
+        rows.append(pairs or None)
+    return pa.array(rows, type=DECISION_SCHEMA.field("scores").type)
+
+
+def judge_batch(batch: pa.RecordBatch, params: DomainParams, models: DomainModels,
+                band: tuple[float, float] | None):
+    """(batch with corrected lang, keep, reason, scores, effective flags of code rows)."""
+    n = batch.num_rows
+    keep = np.ones(n, dtype=bool)
+    reason: list[str | None] = [None] * n
+    scores: dict[str, np.ndarray] = {}
+    code = np.flatnonzero(np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool))
+    if not len(code):
+        return batch, keep, reason, scores, {part: np.zeros(0, dtype=bool) for part in EFFECTIVE_PARTS}
+
+    if params.correct_lang:
+        langs, changed = identify_languages(batch.take(pa.array(code)), params)
+        if changed.any():
+            new_lang = batch.column("lang").to_pylist()
+            for j, i in enumerate(code):
+                new_lang[i] = langs[j]
+            batch = batch.set_column(batch.schema.get_field_index("lang"), "lang", pa.array(new_lang, pa.string()))
+        full = np.full(n, np.nan)
+        full[code] = changed.astype(float)
+        scores["domain:lang_corrected"] = full
+    sub = batch.take(pa.array(code))
+
+    def merge(result, alive):
+        for j, i in enumerate(code):
+            if alive[j] and not result.keep[j]:
+                reason[i] = result.reason[j]
+        for name, values in result.scores.items():
+            full = np.full(n, np.nan)
+            full[code] = values
+            scores[name] = full
+        return alive & result.keep
+
+    rules, failures = models.rules.evaluate(sub)
+    syntax = models.syntax.apply(sub)
+    alive = merge(rules, np.ones(len(code), dtype=bool))
+    alive = merge(syntax, alive)
+
+    # The perplexity screen, for the languages the model was trained on. Every
+    # code row is scored (not only survivors) so the before-ratio is honest.
+    screened = np.array([models.scorer.screens(lang) for lang in sub.column("lang").to_pylist()], dtype=bool)
+    ppl = np.full(len(code), np.nan)
+    rows = np.flatnonzero(screened)
+    if len(rows):
+        ppl[rows] = models.scorer.perplexity(sub.column("text").take(pa.array(rows)).to_pylist())
+    high = params.model.max_perplexity
+    low = 0.0
+    if band is not None:
+        low, high = max(low, band[0]), min(high, band[1])
+    too_high = screened & ~np.isnan(ppl) & (ppl > high)
+    too_low = screened & ~np.isnan(ppl) & (ppl < low)
+    for j in np.flatnonzero(alive & (too_high | too_low)):
+        reason[code[j]] = PPL_HIGH if too_high[j] else PPL_LOW
+    alive &= ~(too_high | too_low)
+    full = np.full(n, np.nan)
+    full[code] = ppl
+    scores[PERPLEXITY] = full
+    keep[code] = alive
+
+    flags = effective_code_flags(sub, params, syntax=syntax, failures=failures)
+    flags["in_band"] = ~(too_high | too_low)
+    return batch, keep, reason, scores, flags
+
+
+def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
+                band: tuple[float, float] | None) -> UnitResult:
+    """Tier 3 over one input shard into `out_dir`'s staging area (resumable)."""
+    done = finished_unit(out_dir, key)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    models = load_models(params.domain)
+    parquet = pq.ParquetFile(shard)
+    writer = UnitWriter(out_dir, key, output_schema(parquet.schema_arrow), target_bytes=params.io.shard_bytes)
+    try:
+        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+            batch, keep, reason, scores, flags = judge_batch(batch, params.domain, models, band)
+            n = batch.num_rows
+            ppl = scores.get(PERPLEXITY, np.full(n, np.nan))
+            out = batch if PERPLEXITY in batch.schema.names else batch.append_column(
+                PERPLEXITY, pa.array(ppl, pa.float64(), from_pandas=True))
+            writer.docs.write(out.filter(pa.array(keep)))
+            writer.decisions.write(pa.RecordBatch.from_arrays(
+                [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
+                 pa.array(reason, pa.string()), _scores_column(scores, n), pa.nulls(n, pa.string())],
+                schema=DECISION_SCHEMA))
+            code = np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool)
+            kept_code = keep[code]
+            effective = np.logical_and.reduce([flags[p] for p in EFFECTIVE_PARTS]) if code.any() else np.zeros(0, bool)
+            writer.counts["input"] += n
+            writer.counts["kept"] += int(keep.sum())
+            writer.counts["code_in"] += int(code.sum())
+            writer.counts["code_kept"] += int(kept_code.sum())
+            writer.counts["effective_in"] += int(effective.sum())
+            writer.counts["effective_kept"] += int((effective & kept_code).sum())
+            for part in EFFECTIVE_PARTS:
+                writer.counts[f"part_in:{part}"] += int(flags[part].sum())
+                writer.counts[f"part_kept:{part}"] += int((flags[part] & kept_code).sum())
+            writer.counts["lang_corrected"] += int(np.nansum(scores.get("domain:lang_corrected", np.zeros(1))))
+            for r in reason:
+                if r is not None:
+                    writer.counts[f"drop:{r}"] += 1
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(bytes_in=Path(shard).stat().st_size, seconds=time.perf_counter() - started)
+
+
+def effective_ratio(counts: dict[str, int]) -> dict[str, object]:
+    """The effective-code ratio before and after the stage, with its parts."""
+    code_in, code_kept = counts.get("code_in", 0), counts.get("code_kept", 0)
+    ratio = {
+        "before": counts.get("effective_in", 0) / code_in if code_in else None,
+        "after": counts.get("effective_kept", 0) / code_kept if code_kept else None,
+        "code_in": code_in,
+        "code_kept": code_kept,
+        "parts_before": {p: counts.get(f"part_in:{p}", 0) / code_in if code_in else None for p in EFFECTIVE_PARTS},
+        "parts_after": {p: counts.get(f"part_kept:{p}", 0) / code_kept if code_kept else None for p in EFFECTIVE_PARTS},
+    }
+    return ratio

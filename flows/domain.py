@@ -1,0 +1,52 @@
+"""The `domain` flow (tier 3): code rules, parsing and the domain model's screen, one task per shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from prefect import flow, task, unmapped
+from prefect.cache_policies import NO_CACHE
+
+from assay.config import load_params
+from assay.shards import read_manifest
+from assay.stages.domain import STAGE, domain_unit, effective_ratio, load_models, perplexity_band
+from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest, summarize
+from assay.staging import commit, prepare
+from flows.progress import wait_with_progress
+from flows.runners import task_runner
+
+domain_shard_task = task(domain_unit, name="domain-shard", cache_policy=NO_CACHE)
+
+
+@flow(name="domain", log_prints=True)
+def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: str | None = None) -> dict:
+    """Tier 3 over the dataset INPUT_DIR into OUT; returns the manifest."""
+    started = time.perf_counter()
+    params = load_params(params_file)
+    units = plan_shards(input_dir)
+    section = {"domain": dataclasses.asdict(params.domain), "io": dataclasses.asdict(params.io)}
+    model = params.domain.model.model
+    fingerprint = stage_fingerprint(units, section, [model] if Path(model).exists() else [])
+    if prepare(out, fingerprint, overwrite=overwrite):
+        print(f"{out} is up to date with its inputs; nothing to do")
+        return read_manifest(out)
+    models = load_models(params.domain)  # fail fast on a missing model, before any task
+    band = perplexity_band([u.shard for u in units], params.domain, models)
+    if band:
+        print(f"perplexity band {params.domain.model.percentile_band} percentiles: {band[0]:.1f} - {band[1]:.1f}")
+    futures = domain_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
+                                    unmapped(params), [u.key for u in units], unmapped(band))
+    results = wait_with_progress(futures, f"domain → {out}")
+    ratio = effective_ratio(summarize(results))
+    extra = {"effective_code_ratio": ratio,
+             "models": {"domain_model": model, "languages": models.scorer.languages, "perplexity_band": band}}
+    manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
+    return commit(out, [u.key for u in units], manifest)
+
+
+def run_domain(input_dir: str, out: str, **kwargs) -> dict:
+    params = load_params(kwargs.get("params_file"))
+    plan_shards(input_dir)
+    return domain_flow.with_options(task_runner=task_runner(params.flow))(input_dir, out, **kwargs)
