@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 demo: install
 	dvc repro
 	dvc push --quiet
-	assay stats data/raw
+	assay stats data/dedup
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: install
@@ -46,6 +46,8 @@ bench: install
 	$(PYTHON) bench/ingest.py
 	$(PYTHON) bench/static.py
 	$(PYTHON) bench/domain.py
+	$(PYTHON) bench/dedup.py
+	$(PYTHON) bench/vectors.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

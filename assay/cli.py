@@ -146,6 +146,136 @@ def run_domain(
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
 
 
+@run_app.command("dedup")
+def run_dedup(
+    input_dir: Path = typer.Option(..., "--in", help="Input dataset (for example data/domain)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory (also holds the local vector store)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Exact, near-duplicate (MinHash LSH) and semantic (SemDeDup) dedup, global across shards.
+
+    Reuses tier 1's stored embeddings (found upstream by manifest); upserts the
+    knowledge graph (Document, Source, Cluster) into the vector store.
+    """
+    from assay import report
+    from flows.dedup import run_dedup as run
+
+    _quiet_console_tracebacks()
+    manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
+    report.as_json(manifest) if json_output else report.stage_summary(manifest)
+
+
+def _store(data: Path):
+    from assay.config import load_params
+    from assay.shards import require_dataset
+    from assay.vectors import open_store
+
+    require_dataset(data)
+    return open_store(load_params(_params_file()).vectors, data)
+
+
+DATA_OPTION = typer.Option(Path("data/dedup"), "--data", help="The dedup output that holds the graph.")
+
+
+@app.command()
+def query(
+    text: str = typer.Argument(..., help="Text to search for."),
+    k: int = typer.Option(10, "-k", help="How many neighbours."),
+    data: Path = DATA_OPTION,
+    status: Optional[str] = typer.Option(None, help="Only documents with this status (kept, near_dup, ...)."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Nearest documents to TEXT (embedded with the shared encoder), with score, source and status."""
+    from assay import report
+    from assay.config import load_params
+    from assay.encoder import shared_encoder
+
+    vector = shared_encoder(load_params(_params_file()).static.encoder).encode([text])[0]
+    with _store(data) as store:
+        hits = store.near(vector, k, where={"status": status} if status else None)
+    report.hits(hits, json_output, exact=store.exact)
+
+
+@app.command()
+def similar(
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    k: int = typer.Option(10, "-k", help="How many neighbours."),
+    data: Path = DATA_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Documents most similar to document ID (by its stored embedding)."""
+    from assay import report
+
+    with _store(data) as store:
+        if store.get(doc_id) is None:
+            raise AssayError(f"{doc_id}: not in the graph of {data}")
+        hits = store.near_id(doc_id, k)
+    report.hits(hits, json_output, exact=store.exact)
+
+
+@app.command()
+def cluster(
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    data: Path = DATA_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The members of ID's duplicate clusters (near and semantic), with their status."""
+    from assay import report
+
+    with _store(data) as store:
+        if store.get(doc_id) is None:
+            raise AssayError(f"{doc_id}: not in the graph of {data}")
+        result = {c.cluster_id: [dataclasses_as_dict(store.get(m)) for m in store.cluster_members(c.cluster_id)]
+                  for c in store.clusters_of(doc_id)}
+    report.clusters(doc_id, result, json_output)
+
+
+@app.command()
+def sources(
+    overlap: bool = typer.Option(False, "--overlap", help="Which sources share duplicate clusters, and how much."),
+    data: Path = DATA_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Sources in the graph; with --overlap, the pairs of sources that share duplicate clusters."""
+    from assay import report
+
+    if not overlap:
+        raise AssayError("only `assay sources --overlap` is available")
+    with _store(data) as store:
+        rows = store.source_overlap()
+    report.overlap(rows, json_output)
+
+
+@app.command()
+def graph(
+    doc_id: str = typer.Argument(..., metavar="ID"),
+    data: Path = DATA_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """ID's node in the knowledge graph: its source, clusters, what it duplicates and what duplicates it."""
+    from assay import report
+
+    with _store(data) as store:
+        record = store.get(doc_id)
+        if record is None:
+            raise AssayError(f"{doc_id}: not in the graph of {data}")
+        node = {**dataclasses_as_dict(record),
+                "clusters": [f"{c.cluster_id} ({c.kind}, {c.size} members)" for c in store.clusters_of(doc_id)],
+                "duplicated_by": store.duplicates_of(doc_id)}
+    report.graph_node(node, json_output)
+
+
+def dataclasses_as_dict(record) -> dict:
+    import dataclasses
+
+    if record is None:
+        return {}
+    data = dataclasses.asdict(record)
+    data.pop("vector", None)
+    return data
+
+
 @quality_app.command("train")
 def quality_train(
     data: Optional[Path] = typer.Option(None, "--data", help="Raw dataset: reference positives vs sampled negatives."),

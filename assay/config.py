@@ -275,6 +275,55 @@ class DomainParams:
 
 
 @dataclass
+class MinHashParams:
+    """Near-duplicate dedup; defaults follow FineWeb (word 5-grams, 14 bands x 8 rows)."""
+
+    enabled: bool = True
+    ngram: int = 5
+    bands: int = 14
+    rows: int = 8
+    seed: int = 1
+    #: Jaccard similarity the LSH is tuned for (used to report recall/precision).
+    threshold: float = 0.8
+
+
+@dataclass
+class SemanticDedupParams:
+    """SemDeDup (Abbas et al. 2023) on the stored embeddings; eps from NeMo Curator."""
+
+    enabled: bool = True
+    eps: float = 0.01
+    #: k for k-means: about one cluster per this many documents (at least 1).
+    docs_per_cluster: int = 100
+    kmeans_iterations: int = 20
+    #: Which member of a duplicate group to keep: "farthest" from the centroid, or "quality".
+    keep: str = "farthest"
+    seed: int = 0
+
+
+@dataclass
+class DedupParams:
+    exact: bool = True
+    minhash: MinHashParams = field(default_factory=MinHashParams)
+    semantic: SemanticDedupParams = field(default_factory=SemanticDedupParams)
+
+
+@dataclass
+class VectorParams:
+    """The vector store and knowledge graph: "local" (default) or "weaviate"."""
+
+    backend: str = "local"
+    #: Local store directory; relative paths are under the dataset directory.
+    local_path: str = "vectors"
+    #: Above this many vectors the local store builds an HNSW index (approximate).
+    exact_max: int = 100_000
+    #: Weaviate: WEAVIATE_URL (and WEAVIATE_API_KEY) in the environment win over these.
+    weaviate_url: str | None = None
+    batch_size: int = 200
+    collection_prefix: str = ""
+
+
+@dataclass
 class FlowParams:
     #: "threads" (default, one machine), "dask" or "ray" (need prefect-dask /
     #: prefect-ray and, for a cluster, an address).
@@ -291,6 +340,8 @@ class Params:
     static: StaticParams = field(default_factory=StaticParams)
     quality: QualityParams = field(default_factory=QualityParams)
     domain: DomainParams = field(default_factory=DomainParams)
+    dedup: DedupParams = field(default_factory=DedupParams)
+    vectors: VectorParams = field(default_factory=VectorParams)
     flow: FlowParams = field(default_factory=FlowParams)
 
     def section(self, name: str) -> dict[str, Any]:

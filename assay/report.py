@@ -145,3 +145,59 @@ def quality_report(result: dict[str, Any]) -> None:
                 table.add_row(f"{row['low']:.1f}-{row['high']:.1f}", str(row["count"]),
                               f"{row['mean_predicted']:.3f}", f"{row['observed_positive']:.3f}")
         console.print(table)
+
+
+def hits(rows, json_output: bool, exact: bool) -> None:
+    data = [{"doc_id": h.doc_id, "score": round(float(h.score), 6), "source": h.source, "status": h.status,
+             **{k: v for k, v in (h.properties or {}).items() if k not in ("doc_id", "source", "status")}} for h in rows]
+    if json_output:
+        as_json({"exact": exact, "hits": data})
+        return
+    table = Table(title=f"{len(data)} nearest ({'exact' if exact else 'approximate: HNSW'} search)")
+    for column in ("score", "doc_id", "source", "status", "path"):
+        table.add_column(column)
+    for h in data:
+        table.add_row(f"{h['score']:.4f}", h["doc_id"], str(h["source"]), str(h["status"]), str(h.get("path", "")))
+    console.print(table)
+
+
+def clusters(doc_id: str, result: dict, json_output: bool) -> None:
+    if json_output:
+        as_json({"doc_id": doc_id, "clusters": result})
+        return
+    if not result:
+        console.print(f"{doc_id} is in no duplicate cluster")
+    for cluster_id, members in result.items():
+        table = Table(title=f"cluster {cluster_id} ({len(members)} members)")
+        for column in ("doc_id", "status", "duplicate_of", "source", "path"):
+            table.add_column(column)
+        for m in members:
+            table.add_row(m.get("doc_id", ""), str(m.get("status")), str(m.get("duplicate_of") or ""),
+                          str(m.get("source")), str(m.get("path")))
+        console.print(table)
+
+
+def overlap(rows, json_output: bool) -> None:
+    data = [{"source_a": a, "source_b": b, "shared_clusters": n} for a, b, n in rows]
+    if json_output:
+        as_json(data)
+        return
+    table = Table(title="sources sharing duplicate clusters")
+    for column in ("source", "source", "shared clusters"):
+        table.add_column(column)
+    for row in data:
+        table.add_row(row["source_a"], row["source_b"], f"{row['shared_clusters']:,}")
+    console.print(table if data else "no two sources share a duplicate cluster")
+
+
+def graph_node(node: dict, json_output: bool) -> None:
+    if json_output:
+        as_json(node)
+        return
+    console.print(f"[bold]{node['doc_id']}[/]  status: {node.get('status')}  source: {node.get('source')}  path: {node.get('path')}")
+    if node.get("duplicate_of"):
+        console.print(f"  duplicate of: {node['duplicate_of']}")
+    for c in node.get("clusters", []):
+        console.print(f"  in cluster: {c}")
+    for d in node.get("duplicated_by", []):
+        console.print(f"  duplicated by: {d}")

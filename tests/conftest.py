@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +20,8 @@ for key, value in {
 }.items():
     os.environ.setdefault(key, value)
 
+from corpus import make_bad_corpus  # noqa: E402  (after the environment is set)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,47 +34,6 @@ def prefect_harness():
         yield
 
 
-LATIN1_TEXT = "Café crème, naïve façade: le garçon était très content de la crème brûlée et du pâté."
-
-
-def make_bad_corpus(root: Path) -> dict[str, Path]:
-    """The issue's acceptance corpus: one good file of each kind, and every kind of bad input."""
-    tree = root / "corpus"
-    (tree / "src").mkdir(parents=True)
-    (tree / "docs").mkdir()
-    (tree / "src" / "app.py").write_text("def add(a, b):\n    return a + b\n")
-    (tree / "src" / "main.rs").write_text('fn main() {\n    println!("hi");\n}\n')
-    (tree / "docs" / "guide.md").write_text("# Guide\n\nThis is the guide to the tool, and it is short.\n")
-    (tree / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
-    (tree / "latin1.txt").write_bytes(LATIN1_TEXT.encode("latin-1"))
-    (tree / "empty.txt").write_bytes(b"")
-    (tree / "blank.txt").write_bytes(b"  \n\t\n")
-    with open(tree / "huge.txt", "wb") as handle:  # 50 MB, over the 10 MB default
-        chunk = b"all work and no play makes jack a dull boy\n" * 1000
-        while handle.tell() < 50 * 2**20:
-            handle.write(chunk)
-    jsonl = root / "records.jsonl"
-    lines = [
-        json.dumps({"id": "r1", "text": "The first record is fine and has some words in it."}),
-        '{"id": "r2", "text": "missing the closing brace"',
-        json.dumps({"text": "A record without an id gets one from its source and line.", "kind": "text", "topic": "ids"}),
-        "this line is not JSON at all",
-        json.dumps({"id": "r5", "text": "def f():\n    return 1\n", "path": "pkg/f.py", "meta": {"stars": 3}}),
-        "",
-        json.dumps({"id": "r6", "text": "   "}),
-        json.dumps({"id": "r7", "body": "no text field"}),
-    ]
-    jsonl.write_text("\n".join(lines) + "\n")
-    return {"tree": tree, "jsonl": jsonl}
-
-
 @pytest.fixture
 def bad_corpus(tmp_path: Path) -> dict[str, Path]:
     return make_bad_corpus(tmp_path)
-
-
-def write_jsonl_gz(path: Path, records: list[dict]) -> Path:
-    with gzip.open(path, "wt", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record) + "\n")
-    return path

@@ -31,7 +31,7 @@ def test_help_explains_every_command():
 
 @pytest.fixture(scope="module")
 def ingested(tmp_path_factory):
-    from conftest import make_bad_corpus
+    from corpus import make_bad_corpus
 
     root = tmp_path_factory.mktemp("cli")
     corpus = make_bad_corpus(root)

@@ -3,7 +3,7 @@ import pytest
 from assay.ingest.decode import decode, is_binary
 from assay.languages import LANGUAGES, classify, language_from_path, language_from_shebang
 
-from conftest import LATIN1_TEXT
+from corpus import LATIN1_TEXT
 
 OPTS = dict(fallback_encodings=["cp1252", "latin_1", "iso8859_15"], min_confidence=0.9)
 

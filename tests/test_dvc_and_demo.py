@@ -77,6 +77,9 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     assert (repo / "models/domain/model.safetensors").is_file()
     domain = json.loads((repo / "data/domain/manifest.json").read_text())
     assert domain["stage"] == "domain" and domain["effective_code_ratio"]["code_in"] > 0
+    dedup = json.loads((repo / "data/dedup/manifest.json").read_text())
+    assert dedup["stage"] == "dedup" and dedup["dedup"]["input"] == domain["counts"]["kept"]
+    assert dedup["graph"]["documents"] == dedup["dedup"]["input"]
     assert "up to date" in _run([dvc, "status"], repo, env)
 
     _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore"], repo, env)
@@ -100,4 +103,5 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     assert json.loads((repo / "data/raw/manifest.json").read_text()) == manifest
     assert json.loads((repo / "data/static/manifest.json").read_text()) == static
     assert json.loads((repo / "data/domain/manifest.json").read_text()) == domain
+    assert json.loads((repo / "data/dedup/manifest.json").read_text()) == dedup
     assert "up to date" in _run([dvc, "status"], repo, env)

@@ -13,7 +13,7 @@ from assay.errors import AssayError
 from assay.lineage import find_document, why
 from assay.schema import DOCUMENT_COLUMNS, document_id
 from assay.shards import iter_batches, list_shards, read_manifest
-from conftest import LATIN1_TEXT, write_jsonl_gz
+from corpus import LATIN1_TEXT, write_jsonl_gz
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -1,0 +1,265 @@
+"""Dedup, global across shards: exact, then near (MinHash LSH), then semantic.
+
+The stage is a map-reduce:
+- map (one task per shard): per document, the normalised content hash and
+  the MinHash signature, plus the few columns the decisions need;
+- reduce: exact duplicates by hash; LSH candidate pairs band by band (each
+  band is independent, so bands are separate tasks that a Dask or Ray runner
+  can spread) and union-find clusters; SemDeDup on the stored embeddings;
+- map again: each shard is written out without its duplicates, with a
+  `cluster` column, and a decision for every input row.
+Documents dropped at one step are not considered at the next.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from assay.config import DedupParams, Params
+from assay.errors import AssayError
+from assay.schema import DECISION_SCHEMA
+from assay.shards import MANIFEST, iter_batches
+from assay.staging import UnitResult, UnitWriter, finished_unit
+from filters.exact_dedup import choose_kept, normalized_hashes
+from filters.minhash import band_buckets, candidate_pairs_for_band, clusters, has_shingles, signatures
+from filters.semantic_dedup import REASON as SEMANTIC_DUP
+from filters.semantic_dedup import semantic_duplicates
+
+STAGE = "dedup"
+EXACT_DUP = "exact_dup"
+NEAR_DUP = "near_dup"
+CLUSTER = "cluster"
+EMBEDDINGS = "embeddings"
+
+
+@dataclass
+class ShardScan:
+    """What the reduce steps need from one shard: small, no text."""
+
+    ids: list[str]
+    kinds: list[str]
+    sources: list[str]
+    langs: list[str]
+    paths: list[str]
+    quality: np.ndarray
+    hashes: np.ndarray
+    signatures: np.ndarray | None
+
+
+def scan_shard(shard: str, params: DedupParams, batch_rows: int) -> ShardScan:
+    ids, kinds, sources, langs, paths, quality, hashes, sigs = [], [], [], [], [], [], [], []
+    parquet = pq.ParquetFile(shard)
+    has_quality = "quality" in parquet.schema_arrow.names
+    columns = ["id", "text", "kind", "source", "lang", "path"] + (["quality"] if has_quality else [])
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+        ids += batch.column("id").to_pylist()
+        kinds += batch.column("kind").to_pylist()
+        sources += batch.column("source").to_pylist()
+        langs += batch.column("lang").to_pylist()
+        paths += batch.column("path").to_pylist()
+        q = batch.column("quality").to_numpy(zero_copy_only=False) if has_quality else np.full(batch.num_rows, np.nan)
+        quality.append(np.asarray(q, dtype=np.float64))
+        hashes.append(normalized_hashes(batch.column("text"), batch.column("kind")))
+        if params.minhash.enabled:
+            sigs.append(signatures(batch.column("text"), params.minhash))
+    return ShardScan(
+        ids, kinds, sources, langs, paths,
+        np.concatenate(quality) if quality else np.zeros(0),
+        np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64),
+        np.concatenate(sigs) if sigs else None,
+    )
+
+
+@dataclass
+class Corpus:
+    """Every input document's scan, concatenated in shard order."""
+
+    ids: np.ndarray
+    kinds: np.ndarray
+    sources: np.ndarray
+    langs: np.ndarray
+    paths: np.ndarray
+    quality: np.ndarray
+    hashes: np.ndarray
+    signatures: np.ndarray | None
+    shard_of: np.ndarray
+
+
+def gather(scans: list[ShardScan]) -> Corpus:
+    sigs = [s.signatures for s in scans if s.signatures is not None]
+    return Corpus(
+        ids=np.array([i for s in scans for i in s.ids], dtype=object),
+        kinds=np.array([k for s in scans for k in s.kinds], dtype=object),
+        sources=np.array([k for s in scans for k in s.sources], dtype=object),
+        langs=np.array([k for s in scans for k in s.langs], dtype=object),
+        paths=np.array([k for s in scans for k in s.paths], dtype=object),
+        quality=np.concatenate([s.quality for s in scans]) if scans else np.zeros(0),
+        hashes=np.concatenate([s.hashes for s in scans]) if scans else np.zeros(0),
+        signatures=np.concatenate(sigs) if len(sigs) == len(scans) and sigs else None,
+        shard_of=np.concatenate([np.full(len(s.ids), i) for i, s in enumerate(scans)]) if scans else np.zeros(0, int),
+    )
+
+
+def _kept_rows(groups: np.ndarray, alive: np.ndarray, corpus: Corpus) -> np.ndarray:
+    """Row of the kept member of each row's group; rows not alive are their own group."""
+    groups = np.where(alive, groups, -1 - np.arange(len(groups)))  # singletons
+    return choose_kept(groups, corpus.ids, corpus.quality)
+
+
+def exact_step(corpus: Corpus) -> np.ndarray:
+    """Row of the kept copy for every row (itself when kept)."""
+    _, groups = np.unique(corpus.hashes, return_inverse=True)
+    return _kept_rows(groups.reshape(-1), np.ones(len(groups), dtype=bool), corpus)
+
+
+def band_pairs(corpus: Corpus, alive: np.ndarray, band: int, params: DedupParams) -> np.ndarray:
+    """LSH candidate pairs (global rows) from one band, among alive rows with shingles."""
+    rows = np.flatnonzero(alive & has_shingles(corpus.signatures))
+    return candidate_pairs_for_band(rows, band_buckets(corpus.signatures[rows], band, params.minhash))
+
+
+def near_step(corpus: Corpus, alive: np.ndarray, pairs: list[np.ndarray]) -> np.ndarray:
+    """Row of the kept document of each alive row's near-duplicate cluster."""
+    all_pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+    return _kept_rows(clusters(len(corpus.ids), all_pairs), alive, corpus)
+
+
+def find_embeddings(input_dir: str | Path, max_hops: int = 8) -> Path | None:
+    """The nearest `embeddings/` folder: the dataset's own, or an upstream stage's (by manifest)."""
+    here = Path(input_dir)
+    for _ in range(max_hops):
+        if (here / EMBEDDINGS).is_dir():
+            return here / EMBEDDINGS
+        try:
+            inputs = json.loads((here / MANIFEST).read_text()).get("inputs") or []
+        except (OSError, json.JSONDecodeError):
+            return None
+        upstream = next((i.get("dataset") for i in inputs if isinstance(i, dict) and i.get("dataset")), None)
+        if upstream is None:
+            return None
+        here = Path(upstream)
+    return None
+
+
+def load_vectors(folder: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(vectors for `ids` in order, found mask); streamed, only the wanted rows kept."""
+    wanted = {doc_id: row for row, doc_id in enumerate(ids)}
+    vectors: np.ndarray | None = None
+    found = np.zeros(len(ids), dtype=bool)
+    value_set = pa.array(list(wanted), pa.string())
+    for batch in iter_batches(folder, filter_ids=None):
+        batch = batch.filter(pc.is_in(batch.column("id"), value_set=value_set))
+        if batch.num_rows == 0:
+            continue
+        dim = batch.schema.field("vector").type.list_size
+        if vectors is None:
+            vectors = np.zeros((len(ids), dim), dtype=np.float32)
+        flat = batch.column("vector").values.to_numpy(zero_copy_only=False).reshape(-1, dim)
+        rows = np.array([wanted[i] for i in batch.column("id").to_pylist()])
+        vectors[rows] = flat
+        found[rows] = True
+    return (vectors if vectors is not None else np.zeros((len(ids), 0), np.float32)), found
+
+
+@dataclass
+class Verdicts:
+    """The reduce's answer, per corpus row."""
+
+    reason: list[str | None]
+    duplicate_of: np.ndarray  # row, -1 when kept
+    near_cluster: np.ndarray  # row of the kept doc of its near cluster (-1: none)
+    semantic_cluster: np.ndarray  # k-means cluster, -1 when not embedded
+    similarity: np.ndarray  # semantic max similarity (NaN when not computed)
+    counts: dict[str, int]
+
+
+def decide(corpus: Corpus, exact_kept: np.ndarray, near_kept: np.ndarray | None,
+           vectors: np.ndarray | None, params: DedupParams) -> Verdicts:
+    n = len(corpus.ids)
+    reason: list[str | None] = [None] * n
+    duplicate_of = np.full(n, -1, dtype=np.int64)
+    counts = {"input": n, EXACT_DUP: 0, NEAR_DUP: 0, SEMANTIC_DUP: 0}
+    alive = np.ones(n, dtype=bool)
+    if params.exact:
+        dup = exact_kept != np.arange(n)
+        for row in np.flatnonzero(dup):
+            reason[row], duplicate_of[row] = EXACT_DUP, exact_kept[row]
+        alive &= ~dup
+        counts[EXACT_DUP] = int(dup.sum())
+    near_cluster = np.full(n, -1, dtype=np.int64)
+    if near_kept is not None:
+        dup = alive & (near_kept != np.arange(n)) & (near_kept >= 0)
+        sizes = np.bincount(near_kept[near_kept >= 0], minlength=n)
+        in_cluster = alive & (near_kept >= 0) & (sizes[np.maximum(near_kept, 0)] > 1)
+        near_cluster[in_cluster] = near_kept[in_cluster]
+        for row in np.flatnonzero(dup):
+            reason[row], duplicate_of[row] = NEAR_DUP, near_kept[row]
+        alive &= ~dup
+        counts[NEAR_DUP] = int(dup.sum())
+    semantic_cluster = np.full(n, -1, dtype=np.int64)
+    similarity = np.full(n, np.nan)
+    if vectors is not None and params.semantic.enabled:
+        if params.semantic.keep not in ("farthest", "quality"):
+            raise AssayError(f"params: dedup.semantic.keep = {params.semantic.keep!r}; expected farthest or quality")
+        rows = np.flatnonzero(alive)
+        result = semantic_duplicates(vectors[rows], params.semantic, corpus.quality[rows])
+        semantic_cluster[rows] = result.cluster
+        similarity[rows] = result.max_similarity
+        for j in np.flatnonzero(~result.keep):
+            row = rows[j]
+            reason[row], duplicate_of[row] = SEMANTIC_DUP, rows[result.duplicate_of[j]]
+        counts[SEMANTIC_DUP] = int((~result.keep).sum())
+    counts["kept"] = n - sum(counts[k] for k in (EXACT_DUP, NEAR_DUP, SEMANTIC_DUP))
+    return Verdicts(reason, duplicate_of, near_cluster, semantic_cluster, similarity, counts)
+
+
+def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
+                rows: np.ndarray, corpus: Corpus, verdicts: Verdicts) -> UnitResult:
+    """One input shard out: kept rows with a `cluster` column, a decision per row."""
+    done = finished_unit(out_dir, key)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    parquet = pq.ParquetFile(shard)
+    schema = parquet.schema_arrow
+    if CLUSTER not in schema.names:
+        schema = schema.append(pa.field(CLUSTER, pa.string()))
+    writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
+    offset = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+            n = batch.num_rows
+            part = rows[offset : offset + n]
+            offset += n
+            reasons = [verdicts.reason[r] for r in part]
+            keep = np.array([r is None for r in reasons])
+            cluster = [corpus.ids[verdicts.near_cluster[r]] if verdicts.near_cluster[r] >= 0 else None for r in part]
+            out = batch.append_column(CLUSTER, pa.array(cluster, pa.string())) if CLUSTER not in batch.schema.names else batch
+            writer.docs.write(out.filter(pa.array(keep)))
+            details = [None if verdicts.duplicate_of[r] < 0 else f"duplicate of {corpus.ids[verdicts.duplicate_of[r]]}"
+                       for r in part]
+            scores = [
+                [("semantic_similarity", float(verdicts.similarity[r]))] if not np.isnan(verdicts.similarity[r]) else None
+                for r in part
+            ]
+            writer.decisions.write(pa.RecordBatch.from_arrays(
+                [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep), pa.array(reasons, pa.string()),
+                 pa.array(scores, DECISION_SCHEMA.field("scores").type), pa.array(details, pa.string())],
+                schema=DECISION_SCHEMA))
+            writer.counts["input"] += n
+            writer.counts["kept"] += int(keep.sum())
+            for r in reasons:
+                if r:
+                    writer.counts[f"drop:{r}"] += 1
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(bytes_in=Path(shard).stat().st_size, seconds=time.perf_counter() - started)

@@ -1,0 +1,164 @@
+"""Dedup end to end: exact, near, semantic, the graph and the queries, through the Prefect flow."""
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from assay.shards import iter_batches
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+MODULES = ["textwrap.py", "colorsys.py", "bisect.py", "heapq.py", "shlex.py", "fnmatch.py", "glob.py",
+           "keyword.py", "getopt.py", "sched.py", "queue.py", "reprlib.py", "base64.py", "copy.py", "secrets.py"]
+
+
+def _paraphrase(text: str) -> str:
+    """Paraphrase-like: every 12th pair of words swapped. The meaning stays (cosine 0.98-0.99
+    with all-MiniLM-L6-v2) while most word 5-grams change (MinHash Jaccard 0.2-0.4), so only
+    the semantic step can find it."""
+    lines = []
+    for line in text.split("\n"):
+        words = line.split(" ")
+        for i in range(0, len(words) - 1, 12):
+            words[i], words[i + 1] = words[i + 1], words[i]
+        lines.append(" ".join(words))
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def deduped(tmp_path_factory, prefect_harness):
+    from pydoc_data.topics import topics
+
+    from flows.dedup import dedup_flow
+    from flows.ingest import ingest_flow
+
+    root = tmp_path_factory.mktemp("dedup")
+    a, b = root / "repo-a", root / "repo-b"
+    a.mkdir()
+    b.mkdir()
+    for name in MODULES:
+        shutil.copy(STDLIB / name, a / name)
+    # repo-b vendors some of repo-a: one exact copy, one with trailing spaces, one lightly edited.
+    (b / "textwrap.py").write_text((STDLIB / "textwrap.py").read_text())
+    (b / "bisect.py").write_text("\n".join(l + "   " for l in (STDLIB / "bisect.py").read_text().splitlines()))
+    heapq = (STDLIB / "heapq.py").read_text().splitlines()
+    (b / "heapq.py").write_text("\n".join(heapq[:-20] + ["# vendored copy, trimmed"]))
+    names = sorted(topics)[:12]
+    for name in names:  # prose, and planted paraphrase-like duplicates of three of them
+        (a / f"{name}.txt").write_text(topics[name])
+    for name in names[3:6]:
+        (b / f"{name}-copy.txt").write_text(_paraphrase(topics[name]))
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["dedup"]["semantic"]["docs_per_cluster"] = 10
+    # NeMo's eps=0.01 targets near-verbatim copies; word-order paraphrases sit at 0.98-0.99.
+    params["dedup"]["semantic"]["eps"] = 0.03
+    params_file = root / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    raw = root / "raw"
+    ingest_flow([str(a), str(b)], str(raw), params_file=str(params_file))
+    manifest = dedup_flow(str(raw), str(root / "dedup"), params_file=str(params_file))
+    return {"root": root, "raw": raw, "out": root / "dedup", "params": params_file, "manifest": manifest}
+
+
+def _decisions(out):
+    return {d["id"]: d for d in pq.read_table(Path(out) / "decisions").to_pylist()}
+
+
+def _raw(raw):
+    return {(r["source"], r["path"]): r for b in iter_batches(raw) for r in b.to_pylist()}
+
+
+def test_exact_near_and_semantic_duplicates_are_found(deduped):
+    raw, decisions = _raw(deduped["raw"]), _decisions(deduped["out"])
+    reason = lambda src, path: decisions[raw[(src, path)]["id"]]["reason"]  # noqa: E731
+    # Of each pair, exactly one copy is dropped, and the other is kept.
+    assert {reason("repo-a", "textwrap.py"), reason("repo-b", "textwrap.py")} == {None, "exact_dup"}
+    assert {reason("repo-a", "bisect.py"), reason("repo-b", "bisect.py")} == {None, "exact_dup"}
+    assert {reason("repo-a", "heapq.py"), reason("repo-b", "heapq.py")} == {None, "near_dup"}
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics)[3:6]:
+        pair = {reason("repo-a", f"{name}.txt"), reason("repo-b", f"{name}-copy.txt")}
+        assert pair == {None, "semantic_dup"}, name
+    counts = deduped["manifest"]["dedup"]
+    assert counts["exact_dup"] == 2 and counts["near_dup"] == 1 and counts["semantic_dup"] == 3
+    assert len(decisions) == len(raw)
+
+
+def test_dropped_rows_name_the_kept_document(deduped):
+    raw, decisions = _raw(deduped["raw"]), _decisions(deduped["out"])
+    kept_ids = {i for b in iter_batches(deduped["out"], columns=["id"]) for i in b.column("id").to_pylist()}
+    for d in decisions.values():
+        if d["reason"]:
+            target = d["detail"].removeprefix("duplicate of ")
+            assert target in kept_ids
+    docs = {r["id"]: r for b in iter_batches(deduped["out"]) for r in b.to_pylist()}
+    heapq_a = raw[("repo-a", "heapq.py")]["id"]
+    heapq_b = raw[("repo-b", "heapq.py")]["id"]
+    kept = heapq_a if heapq_a in docs else heapq_b
+    assert docs[kept]["cluster"] == kept  # the near cluster is named after its kept document
+
+
+def test_the_graph_answers_queries(deduped):
+    from assay.config import load_params
+    from assay.vectors import open_store
+
+    raw = _raw(deduped["raw"])
+    params = load_params(deduped["params"])
+    a_id, b_id = raw[("repo-a", "heapq.py")]["id"], raw[("repo-b", "heapq.py")]["id"]
+    with open_store(params.vectors, deduped["out"]) as store:
+        assert store.count() == len(raw)  # dropped documents stay, with their status
+        dropped = store.get(b_id) if store.get(b_id).status != "kept" else store.get(a_id)
+        assert dropped.status == "near_dup" and dropped.duplicate_of in (a_id, b_id)
+        clusters = store.clusters_of(a_id)
+        assert [c.kind for c in clusters] == ["near"]
+        assert sorted(store.cluster_members(clusters[0].cluster_id)) == sorted([a_id, b_id])
+        assert store.duplicates_of(dropped.duplicate_of) == [dropped.doc_id]
+        assert ("repo-a", "repo-b") in {(x, y) for x, y, _ in store.source_overlap()}
+        hits = store.near_id(a_id, 3)
+        assert hits[0].doc_id == b_id and hits[0].score > 0.9
+
+
+def test_rerun_updates_the_graph_in_place(deduped):
+    from assay.config import load_params
+    from assay.vectors import open_store
+    from flows.dedup import dedup_flow
+
+    again = dedup_flow(str(deduped["raw"]), str(deduped["root"] / "dedup"), overwrite=True,
+                       params_file=str(deduped["params"]))
+    assert again["created_at"] == deduped["manifest"]["created_at"]  # same inputs: nothing to do
+    out2 = deduped["root"] / "dedup2"
+    dedup_flow(str(deduped["raw"]), str(out2), params_file=str(deduped["params"]))
+    dedup_flow(str(deduped["raw"]), str(out2), overwrite=True, params_file=str(deduped["root"] / "params.yaml"))
+    with open_store(load_params(deduped["params"]).vectors, out2) as store:
+        assert store.count() == len(_raw(deduped["raw"]))
+
+
+def test_cli_queries_answer(deduped):
+    import subprocess
+    import sys
+
+    assay = str(Path(sys.executable).parent / "assay")
+    raw = _raw(deduped["raw"])
+    doc = raw[("repo-a", "heapq.py")]["id"]
+    run = lambda *args: json.loads(subprocess.run([assay, *args, "--data", str(deduped["out"]), "--json"],  # noqa: E731
+                                                  capture_output=True, text=True, check=True).stdout)
+    graph = run("graph", doc)
+    assert graph["doc_id"] == doc and len(graph["clusters"]) == 1
+    similar = run("similar", doc, "-k", "2")
+    assert similar["exact"] is True and len(similar["hits"]) == 2
+    cluster = run("cluster", doc)
+    assert len(next(iter(cluster["clusters"].values()))) == 2
+    overlap = run("sources", "--overlap")
+    assert any({r["source_a"], r["source_b"]} == {"repo-a", "repo-b"} for r in overlap)
+    found = run("query", "heap queue priority queue algorithm", "-k", "3")
+    assert any(h["path"] == "heapq.py" for h in found["hits"])
