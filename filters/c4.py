@@ -35,7 +35,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from assay.config import C4Params
-from filters.text_units import WORDS, Pieces, batch_text, bool_array, ratio, sentence_counts, verdicts
+from filters.base import FilterResult
+from filters.text_units import (
+    WORDS,
+    Pieces,
+    batch_text,
+    bool_array,
+    ratio,
+    sentence_counts,
+    verdicts,
+)
 
 CITATION_RE = r"\[\p{Nd}*\]|\[edit\]|\[citation needed\]"
 POLICY_RE = "terms of use|privacy policy|cookie policy|uses cookies|use of cookies|use cookies"

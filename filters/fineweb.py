@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from assay.config import FineWebQualityParams
+from filters.base import FilterResult
 from filters.text_units import (
     TERMINAL_PUNCTUATION,
     WS_CLASS,

@@ -1,7 +1,6 @@
 """The CLI through its installed entry point (`assay`), as a user runs it."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -5,7 +5,6 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml

@@ -1,6 +1,5 @@
 """Tier 3 end to end: a domain model trained here, the rules, parsing and the Prefect flow."""
 
-import json
 import shutil
 import sysconfig
 from pathlib import Path

@@ -1,7 +1,6 @@
 """Ingest, end to end through the real Prefect flow (under prefect_test_harness)."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 
 from assay.errors import AssayError
 from assay.lineage import find_document, why
-from assay.schema import DOCUMENT_COLUMNS, document_id
-from assay.shards import iter_batches, list_shards, read_manifest
+from assay.schema import document_id
+from assay.shards import iter_batches, read_manifest
 from corpus import LATIN1_TEXT, write_jsonl_gz
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

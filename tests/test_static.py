@@ -1,6 +1,5 @@
 """Tier 1 end to end: a real head trained here, the real encoder, the Prefect flow."""
 
-import json
 import sysconfig
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import yaml
 
 from assay.errors import AssayError
 from assay.lineage import why
-from assay.shards import iter_batches, read_manifest
+from assay.shards import iter_batches
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -24,10 +24,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from assay.config import EncoderParams, Params
+from assay.config import Params
 from assay.encoder import Encoder
 from assay.errors import AssayError
-from assay.quality.head import FINETUNED_ENCODER, HeadConfig, LinearHead, fit_logistic, save_head
+from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
 from assay.schema import KIND_TEXT
 from assay.shards import iter_batches, require_dataset

@@ -19,7 +19,6 @@ every input code document, so the stage can report it before and after.
 from __future__ import annotations
 
 import json
-import math
 import random
 import threading
 import time
@@ -34,6 +33,7 @@ import pyarrow.parquet as pq
 from assay.config import DomainParams, Params
 from assay.domain.perplexity import PerplexityScorer, estimate_band
 from assay.schema import DECISION_SCHEMA, KIND_CODE
+from assay.stages.shard_stage import scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.code_langid import identify_languages
 from filters.code_rules import CodeRulesFilter, effective_code_flags
@@ -88,21 +88,6 @@ def perplexity_band(shards: list[str], params: DomainParams, models: DomainModel
                 elif (j := rng.randrange(seen)) < size:
                     sample[j] = text[:clip]
     return estimate_band(models.scorer, sample, params.model.percentile_band)
-
-
-def output_schema(input_schema: pa.Schema) -> pa.Schema:
-    if PERPLEXITY in input_schema.names:
-        return input_schema
-    return input_schema.append(pa.field(PERPLEXITY, pa.float64()))
-
-
-def _scores_column(scores: dict[str, np.ndarray], n: int) -> pa.Array:
-    names = list(scores)
-    rows = []
-    for i in range(n):
-        pairs = [(k, float(scores[k][i])) for k in names if not math.isnan(scores[k][i])]
-        rows.append(pairs or None)
-    return pa.array(rows, type=DECISION_SCHEMA.field("scores").type)
 
 
 def judge_batch(batch: pa.RecordBatch, params: DomainParams, models: DomainModels,
@@ -178,7 +163,7 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     started = time.perf_counter()
     models = load_models(params.domain)
     parquet = pq.ParquetFile(shard)
-    writer = UnitWriter(out_dir, key, output_schema(parquet.schema_arrow), target_bytes=params.io.shard_bytes)
+    writer = UnitWriter(out_dir, key, with_score_column(parquet.schema_arrow, PERPLEXITY), target_bytes=params.io.shard_bytes)
     try:
         for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
             batch, keep, reason, scores, flags = judge_batch(batch, params.domain, models, band)
@@ -189,7 +174,7 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
             writer.docs.write(out.filter(pa.array(keep)))
             writer.decisions.write(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
-                 pa.array(reason, pa.string()), _scores_column(scores, n), pa.nulls(n, pa.string())],
+                 pa.array(reason, pa.string()), scores_column(scores, n), pa.nulls(n, pa.string())],
                 schema=DECISION_SCHEMA))
             code = np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool)
             kept_code = keep[code]

@@ -16,7 +16,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import math
+
+import numpy as np
+import pyarrow as pa
+
 from assay.errors import AssayError
+from assay.schema import DECISION_SCHEMA
 from assay.shards import list_shards, read_manifest, require_dataset
 from assay.staging import UnitResult
 
@@ -39,6 +45,24 @@ def plan_shards(input_dir: str | Path) -> list[ShardUnit]:
         sig = hashlib.blake2b(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
         units.append(ShardUnit(i, str(shard), f"{i:05d}-{sig}"))
     return units
+
+
+def with_score_column(input_schema: pa.Schema, name: str) -> pa.Schema:
+    """The stage's output schema: its input's, plus its float64 score column."""
+    if name in input_schema.names:
+        return input_schema
+    return input_schema.append(pa.field(name, pa.float64()))
+
+
+def scores_column(scores: dict[str, np.ndarray], n: int) -> pa.Array:
+    """Per row, the non-NaN scores as the decisions' map<string, float64> (null when none)."""
+    names = list(scores)
+    matrix = np.column_stack([scores[k] for k in names]) if names else np.zeros((n, 0))
+    rows = []
+    for values in matrix:
+        pairs = [(names[j], float(v)) for j, v in enumerate(values) if not math.isnan(v)]
+        rows.append(pairs or None)
+    return pa.array(rows, type=DECISION_SCHEMA.field("scores").type)
 
 
 def file_fingerprint(path: str | Path) -> str:

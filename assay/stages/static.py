@@ -14,7 +14,6 @@ Every input row gets a decision: the heuristic's reason and scores, or
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from assay.config import Params, StaticParams
 from assay.encoder import Encoder, shared_encoder
 from assay.quality.scorer import Scorer, build_scorer, encoder_for
 from assay.schema import DECISION_SCHEMA, KIND_TEXT, embedding_schema
+from assay.stages.shard_stage import scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.base import Filter
 from filters.heuristics import apply_chain, build_heuristics
@@ -59,23 +59,6 @@ def load_models(params: StaticParams) -> StaticModels:
             encoder = shared_encoder(encoder_for(params))
             _MODELS[key] = StaticModels(build_heuristics(params.heuristics), encoder, build_scorer(params))
         return _MODELS[key]
-
-
-def output_schema(input_schema: pa.Schema) -> pa.Schema:
-    if QUALITY in input_schema.names:
-        return input_schema
-    return input_schema.append(pa.field(QUALITY, pa.float64()))
-
-
-def _scores_column(score_arrays: dict[str, np.ndarray], n: int) -> pa.Array:
-    """Per row, the non-NaN scores as a map<string, float64>."""
-    names = list(score_arrays)
-    matrix = np.column_stack([score_arrays[k] for k in names]) if names else np.zeros((n, 0))
-    rows = []
-    for i in range(n):
-        values = matrix[i]
-        rows.append([(names[j], float(values[j])) for j in range(len(names)) if not math.isnan(values[j])] or None)
-    return pa.array(rows, type=DECISION_SCHEMA.field("scores").type)
 
 
 def judge_batch(batch: pa.RecordBatch, params: StaticParams, models: StaticModels) -> tuple[
@@ -129,7 +112,7 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     static = params.static
     models = load_models(static)
     parquet = pq.ParquetFile(shard)
-    schema = output_schema(parquet.schema_arrow)
+    schema = with_score_column(parquet.schema_arrow, QUALITY)
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes,
                         extra={EMBEDDINGS: embedding_schema(models.encoder.dim)})
     try:
@@ -144,7 +127,7 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
                 schema=embedding_schema(models.encoder.dim)))
             writer.decisions.write(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
-                 pa.array(reason, pa.string()), _scores_column(scores, n), pa.nulls(n, pa.string())],
+                 pa.array(reason, pa.string()), scores_column(scores, n), pa.nulls(n, pa.string())],
                 schema=DECISION_SCHEMA))
             writer.counts["input"] += n
             writer.counts["kept"] += int(keep.sum())

@@ -456,10 +456,10 @@ class LocalVectorStore(VectorStore):
 
         db = self._db
         db.executemany(
-            f"INSERT INTO documents(doc_id, row, kind, lang, source, path, quality, status, duplicate_of) "
-            f"VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(doc_id) DO UPDATE SET row = excluded.row, "
-            f"kind = excluded.kind, lang = excluded.lang, source = excluded.source, path = excluded.path, "
-            f"quality = excluded.quality, status = excluded.status, duplicate_of = excluded.duplicate_of",
+            "INSERT INTO documents(doc_id, row, kind, lang, source, path, quality, status, duplicate_of) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(doc_id) DO UPDATE SET row = excluded.row, "
+            "kind = excluded.kind, lang = excluded.lang, source = excluded.source, path = excluded.path, "
+            "quality = excluded.quality, status = excluded.status, duplicate_of = excluded.duplicate_of",
             [
                 (r.doc_id, rows[r.doc_id], r.kind, r.lang, r.source, r.path,
                  None if r.quality is None else float(r.quality), r.status, r.duplicate_of)
