@@ -24,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	@# torch first and pinned: anything else lets pip fetch a multi-GB CUDA build.
+	@# PyTorch first, pinned (torch==2.13.0): anything looser lets pip fetch a multi-GB CUDA build.
 	$(PYTHON) -m pip install --quiet 'torch==2.13.0'
 	$(PYTHON) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
