@@ -33,6 +33,7 @@ demo: install
 	dvc repro
 	dvc push --quiet
 	assay stats data/dedup
+	dvc metrics show
 
 # pytest exits 5 when it collects no test; that is not a failure of the suite.
 test: install
@@ -48,6 +49,8 @@ bench: install
 	$(PYTHON) bench/domain.py
 	$(PYTHON) bench/dedup.py
 	$(PYTHON) bench/vectors.py
+	$(PYTHON) bench/attention.py
+	$(PYTHON) bench/train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -323,6 +323,37 @@ def domain_train(
         report.as_json(result)
 
 
+@app.command("train")
+def train_command(
+    data: Path = typer.Option(..., "--data", help="Dataset to train on (a DVC-tracked directory such as data/dedup, or any shard directory)."),
+    out: Path = typer.Option(Path("runs/round-0"), "--out", "-o", help="Run directory: checkpoints, tokenizer, telemetry, metrics.json."),
+    rev: Optional[str] = typer.Option(None, "--rev", help="Git rev whose committed version of --data to read through DVC (default: the workspace)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start again in a non-empty --out; a killed run of the same data and params is continued instead."),
+    allow_data_change: bool = typer.Option(False, "--allow-data-change", help="With --resume: continue although --data is not the version the checkpoint was trained on."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Override train.steps."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, xpu, mps, cpu or cuda:N (default: train.device, auto = cuda > xpu > mps > cpu)."),
+    profile: bool = typer.Option(False, "--profile", help="Write a torch.profiler trace of steps 3-5 to OUT/profile/trace.json."),
+    json_output: bool = typer.Option(False, "--json", help="Print metrics.json's content."),
+) -> None:
+    """Train the decoder LM (params.yaml: train) on an exact dataset version.
+
+    Records, per document and step, its loss and gradient norm in OUT/telemetry
+    (read back by the dynamic filter), skips loss / gradient-norm spikes (OLMo's
+    6-sigma rule), checkpoints every train.checkpoint_every steps, and resumes
+    bit-exactly on CPU.
+    """
+    from assay import report
+    from flows.train import train_flow
+
+    _quiet_console_tracebacks()
+    metrics = train_flow(str(data), str(out), rev=rev, resume=resume, overwrite=overwrite,
+                         allow_data_change=allow_data_change, steps=steps, device=device, profile=profile,
+                         params_file=_params_file())
+    if json_output:
+        report.as_json(metrics)
+
+
 @app.command()
 def stats(
     data: Path = typer.Argument(..., metavar="DIR", help="A dataset directory."),

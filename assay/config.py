@@ -324,6 +324,78 @@ class VectorParams:
 
 
 @dataclass
+class TrainModelParams:
+    """The decoder (training.model.ModelArgs); vocab_size comes from the tokenizer."""
+
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 384
+    #: "dense" (SDPA) | "sparse" (local window + top-k key blocks, training.attention)
+    attention: str = "dense"
+    sparse_window: int = 64
+    sparse_block: int = 32
+    sparse_topk: int = 4
+    #: "dense" (SwiGLU) | "moe" (top-k routed experts, auxiliary-loss-free balancing)
+    ffn: str = "dense"
+    n_experts: int = 8
+    moe_topk: int = 2
+    moe_hidden: int | None = None
+    moe_bias_gamma: float = 0.001
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class TrainTelemetryParams:
+    """Per-document loss and gradient norm (DESIGN.md's telemetry contract) and OLMo's skip rule."""
+
+    #: "ghost": per-document gradient norms by ghost norms (one backward); "off": losses only.
+    grad_norms: str = "ghost"
+    #: Skip a step whose loss or gradient norm is above mean + spike_sigma * std of the
+    #: last spike_window unskipped steps (OLMo); needs spike_min_history steps first.
+    spike_window: int = 128
+    spike_sigma: float = 6.0
+    spike_min_history: int = 20
+
+
+@dataclass
+class TrainParams:
+    """`assay train` (DVC stage train): a decoder LM on an exact dataset version."""
+
+    model: TrainModelParams = field(default_factory=TrainModelParams)
+    #: Byte-level BPE trained on the training split with Hugging Face tokenizers.
+    vocab_size: int = 4096
+    #: Characters of training text the tokenizer learns from (a sample, for speed).
+    tokenizer_chars: int = 20_000_000
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 300
+    lr: float = 0.003
+    min_lr_ratio: float = 0.1  # cosine decay to lr * this
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    #: "fp32" | "bf16" (autocast) | "fp8" (Float8Linear: DeepSeek-V3 fine-grained scaling, with bf16 autocast)
+    precision: str = "fp32"
+    #: Documents held out (by a hash of their id, stable across versions) for validation.
+    holdout: float = 0.05
+    #: Validation rows scored at the end (0 = all).
+    eval_rows: int = 512
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "auto"
+    telemetry: TrainTelemetryParams = field(default_factory=TrainTelemetryParams)
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16", "fp8"):
+            raise AssayError(f"train.precision must be fp32, bf16 or fp8, not {self.precision!r}")
+        if self.telemetry.grad_norms not in ("ghost", "off"):
+            raise AssayError(f"train.telemetry.grad_norms must be ghost or off, not {self.telemetry.grad_norms!r}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise AssayError(f"train.holdout must be in [0, 1), not {self.holdout}")
+
+
+@dataclass
 class FlowParams:
     #: "threads" (default, one machine), "dask" or "ray" (need prefect-dask /
     #: prefect-ray and, for a cluster, an address).
@@ -342,6 +414,7 @@ class Params:
     domain: DomainParams = field(default_factory=DomainParams)
     dedup: DedupParams = field(default_factory=DedupParams)
     vectors: VectorParams = field(default_factory=VectorParams)
+    train: TrainParams = field(default_factory=TrainParams)
     flow: FlowParams = field(default_factory=FlowParams)
 
     def section(self, name: str) -> dict[str, Any]:

@@ -88,6 +88,22 @@ QUARANTINE_SCHEMA = pa.schema(
 )
 
 
+# --- telemetry ---------------------------------------------------------------
+# Written by the trainer, one row per document per step; read back by the
+# dynamic filter (the only coupling between training and filtering).
+TELEMETRY_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("sample_id", pa.string(), nullable=False),  # the document id
+        pa.field("loss", pa.float32(), nullable=False),  # mean token loss of the document in this step
+        pa.field("grad_norm", pa.float32()),  # norm of that loss's gradient; null when not computed
+        pa.field("tokens", pa.int32(), nullable=False),  # its target tokens in this step
+        pa.field("flagged", pa.bool_(), nullable=False),
+        pa.field("reason", pa.string()),  # why flagged (e.g. skipped_step:loss_spike)
+    ]
+)
+
+
 # --- embeddings --------------------------------------------------------------
 
 

@@ -45,3 +45,32 @@ def write_jsonl_gz(path: Path, records: list[dict]) -> Path:
         for record in records:
             handle.write(json.dumps(record) + "\n")
     return path
+
+
+def write_documents(directory: Path, docs: list[tuple[str, str]], source: str = "tests") -> Path:
+    """A dataset directory (DOCUMENT_SCHEMA shards) holding ``(locator, text)`` documents."""
+    import pyarrow as pa
+
+    from assay.schema import DOCUMENT_SCHEMA, document_id
+    from assay.shards import ShardWriter
+
+    columns = {
+        "id": [document_id(source, loc) for loc, _ in docs],
+        "text": [text for _, text in docs],
+        "kind": ["text"] * len(docs),
+        "lang": ["en"] * len(docs),
+        "source": [source] * len(docs),
+        "path": [loc for loc, _ in docs],
+        "meta": ["{}"] * len(docs),
+    }
+    with ShardWriter(directory, DOCUMENT_SCHEMA) as writer:
+        writer.write(pa.Table.from_pydict(columns, schema=DOCUMENT_SCHEMA))
+    return directory
+
+
+def stdlib_documents(n: int, offset: int = 0) -> list[tuple[str, str]]:
+    """Real text to train on: the first n (sorted) standard-library modules."""
+    import sysconfig
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[offset:offset + n]
+    return [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in files]

@@ -53,6 +53,9 @@ def dvc_repo(tmp_path):
     params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8)
     params["domain"]["train"].update(n_layer=1, n_head=2, n_embd=32, context=64, steps=20, vocab_size=1000)
     params["domain"]["model"]["window"] = 64
+    params["train"].update(vocab_size=300, seq_len=32, batch_size=4, steps=6, checkpoint_every=3, eval_rows=16,
+                           warmup_steps=2)
+    params["train"]["model"].update(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _run(["git", "init", "-q"], repo, env)
     _run([str(BIN / "dvc"), "init", "-q"], repo, env)
@@ -80,9 +83,13 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     dedup = json.loads((repo / "data/dedup/manifest.json").read_text())
     assert dedup["stage"] == "dedup" and dedup["dedup"]["input"] == domain["counts"]["kept"]
     assert dedup["graph"]["documents"] == dedup["dedup"]["input"]
+    metrics = json.loads((repo / "runs/round-0/metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["data"]["data_hash"].endswith(".dir")
+    assert list((repo / "runs/round-0/telemetry").glob("part-*.parquet"))
+    assert "final_loss" in _run([dvc, "metrics", "show"], repo, env)
     assert "up to date" in _run([dvc, "status"], repo, env)
 
-    _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore"], repo, env)
+    _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore", "runs"], repo, env)
     _run(["git", "commit", "-qm", "data v1"], repo, env)
     _run([dvc, "push", "-q"], repo, env)
 
@@ -98,10 +105,12 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     # The version can be restored from the remote alone.
     shutil.rmtree(repo / "data")
     shutil.rmtree(repo / "models")
+    shutil.rmtree(repo / "runs/round-0/checkpoints")
     shutil.rmtree(repo / ".dvc/cache")
     _run([dvc, "pull", "-q"], repo, env)
     assert json.loads((repo / "data/raw/manifest.json").read_text()) == manifest
     assert json.loads((repo / "data/static/manifest.json").read_text()) == static
     assert json.loads((repo / "data/domain/manifest.json").read_text()) == domain
     assert json.loads((repo / "data/dedup/manifest.json").read_text()) == dedup
+    assert (repo / "runs/round-0/checkpoints/latest").exists()
     assert "up to date" in _run([dvc, "status"], repo, env)

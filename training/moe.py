@@ -71,6 +71,9 @@ class MoE(nn.Module):
         )
         # Counts from the most recent forward alone (for forward(..., return_aux=True)).
         self.last_tokens_per_expert: torch.Tensor | None = None
+        # (flat token ids sorted by expert, tokens per expert) from the most recent forward:
+        # expert e got flat[ids[sum(counts[:e]) : sum(counts[:e + 1])]]. For training.grad_norms.
+        self.last_dispatch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ init
     def init_weights(self, init_std: float, generator: torch.Generator | None = None) -> None:
@@ -108,6 +111,7 @@ class MoE(nn.Module):
         order = torch.argsort(topk_idx.reshape(-1), stable=True)
         token_ids = torch.div(order, self.topk, rounding_mode="floor")
         sorted_gates = gates.reshape(-1).index_select(0, order)
+        self.last_dispatch = (token_ids, counts)
 
         out = torch.zeros_like(flat)
         start = 0
@@ -117,7 +121,7 @@ class MoE(nn.Module):
             ids = token_ids[start : start + n]
             y = self.experts[e](flat.index_select(0, ids))
             y = y * sorted_gates[start : start + n].unsqueeze(-1).to(y.dtype)
-            out.index_add_(0, ids, y)
+            out.index_add_(0, ids, y.to(out.dtype))  # autocast: experts may return bf16
             start += n
         assert start == n_tokens * self.topk
         return out.reshape(shape)

@@ -1,0 +1,133 @@
+"""Read a dataset exactly as committed at a git revision, through DVC.
+
+A dataset directory (``data/dedup``…) is a DVC out. At a rev, DVC knows its
+content hash (the ``md5`` of the ``.dir`` object in ``dvc.lock``) and serves its
+files from the cache or the remote, so training on ``--rev v3`` reads the bytes
+that v3 committed, whatever the workspace holds now.
+
+The hash is what a checkpoint records: a resume against other data is refused
+(``--allow-data-change`` overrides). A directory that DVC does not track is
+read from disk, and its "hash" is a digest of its manifest and shard sizes, so
+a plain directory still trains, and changing it still trips the check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from assay.errors import AssayError
+from assay.shards import MANIFEST, SHARD_PATTERN
+
+__all__ = ["DatasetVersion", "open_version"]
+
+
+@dataclass
+class DatasetVersion:
+    """Where a dataset's bytes come from, and the identity a checkpoint records."""
+
+    path: str  # as given by the user
+    rev: str | None  # the rev asked for; None = the workspace
+    commit: str | None  # the git commit that rev resolves to (None outside git)
+    data_hash: str  # DVC's md5 of the directory, or a digest for untracked data
+    tracked: bool  # True when DVC serves the files
+    shards: list[str] = field(default_factory=list)
+    _fs: Any = field(default=None, repr=False)  # DVCFileSystem, or None for plain files
+    _prefix: str = field(default="", repr=False)  # path of the dataset inside the repo
+
+    def identity(self) -> dict:
+        return {"path": self.path, "rev": self.rev, "commit": self.commit, "data_hash": self.data_hash,
+                "tracked": self.tracked, "shards": len(self.shards)}
+
+    def iter_batches(self, columns: list[str] | None = None, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
+        """Stream the documents' record batches, shard by shard, in name order."""
+        for name in self.shards:
+            if self._fs is None:
+                source = pq.ParquetFile(Path(self.path) / name)
+                yield from source.iter_batches(batch_size=batch_rows, columns=columns)
+            else:
+                with self._fs.open(f"{self._prefix}/{name}", "rb") as handle:
+                    yield from pq.ParquetFile(handle).iter_batches(batch_size=batch_rows, columns=columns)
+
+
+def _dvc_root(path: Path) -> Path | None:
+    for parent in [path, *path.parents]:
+        if (parent / ".dvc").is_dir():
+            return parent
+    return None
+
+
+def _untracked_digest(directory: Path, shards: list[str]) -> str:
+    """A stand-in for DVC's hash on a directory DVC does not track."""
+    digest = hashlib.blake2b(digest_size=16)
+    manifest = directory / MANIFEST
+    if manifest.exists():
+        digest.update(manifest.read_bytes())
+    for name in shards:
+        digest.update(f"{name}\0{(directory / name).stat().st_size}\0".encode())
+    return "local-" + digest.hexdigest()
+
+
+def _shard_names(names: list[str]) -> list[str]:
+    return sorted(n for n in names if SHARD_PATTERN.match(n))
+
+
+def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVersion:
+    """The dataset at ``path`` as of git ``rev`` (None: the workspace).
+
+    Raises AssayError with the reason when the rev or the path does not exist
+    there, or when a rev is asked for a directory DVC does not track.
+    """
+    given = str(path)
+    absolute = Path(path).resolve()
+    root = _dvc_root(absolute if absolute.exists() else absolute.parent)
+    if root is None:
+        if rev is not None:
+            raise AssayError(f"--rev {rev} needs a DVC repository, and {given} is not inside one")
+        return _plain(given, absolute)
+
+    from dvc.api import DVCFileSystem  # imported here: DVC costs about a second to import
+
+    prefix = absolute.relative_to(root).as_posix()
+    try:
+        fs = DVCFileSystem(str(root), rev=rev)
+    except Exception as exc:  # dvc raises scmrepo's RevError and friends
+        raise AssayError(f"cannot open {root} at rev {rev!r}: {exc}") from None
+    if not fs.exists(prefix):
+        where = f"at rev {rev}" if rev else "in the workspace"
+        raise AssayError(f"{given} does not exist {where}")
+    info = fs.info(prefix)
+    dvc_info = info.get("dvc_info") or {}
+    commit = _commit(fs, rev)
+    if not dvc_info.get("md5"):
+        if rev is not None:
+            raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
+        return _plain(given, absolute, commit)
+    names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
+    if not names:
+        raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
+    return DatasetVersion(given, rev, commit, dvc_info["md5"], True, names, fs, prefix)
+
+
+def _commit(fs: Any, rev: str | None) -> str | None:
+    try:
+        scm = fs.repo.scm
+        return scm.resolve_rev(rev or "HEAD")
+    except Exception:  # no git, or no commit yet
+        return None
+
+
+def _plain(given: str, absolute: Path, commit: str | None = None) -> DatasetVersion:
+    if not absolute.is_dir():
+        raise AssayError(f"{given} is not a directory")
+    names = _shard_names(os.listdir(absolute))
+    if not names:
+        raise AssayError(f"{given} holds no part-*.parquet shards")
+    return DatasetVersion(given, None, commit, _untracked_digest(absolute, names), False, names)

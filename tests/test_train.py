@@ -1,0 +1,330 @@
+"""The trainer: data rows and batches, spikes, checkpoints, exact resume, DVC revs, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from assay.config import TrainModelParams, TrainParams, TrainTelemetryParams
+from assay.errors import AssayError
+from assay.versions import open_version
+from corpus import stdlib_documents, write_documents
+from training.data import batch_rows, build_rows, is_holdout, make_batch
+from training.spikes import SpikeDetector
+from training.telemetry import read_telemetry
+from training.tokenizer import EOS, train_tokenizer
+from training.trainer import learning_rate, train
+
+BIN = Path(sys.executable).parent
+ASSAY = shutil.which("assay", path=str(BIN)) or "assay"
+
+TINY_MODEL = TrainModelParams(dim=32, n_layers=2, n_heads=2, ffn_hidden=64)
+
+
+def tiny_params(**overrides) -> TrainParams:
+    base = dict(model=TINY_MODEL, vocab_size=320, seq_len=32, batch_size=4, steps=20, lr=1e-2,
+                warmup_steps=2, checkpoint_every=10, holdout=0.25, eval_rows=64, device="cpu",
+                telemetry=TrainTelemetryParams(spike_min_history=20))
+    base.update(overrides)
+    return TrainParams(**base)
+
+
+@pytest.fixture(scope="module")
+def stdlib_data(tmp_path_factory) -> Path:
+    return write_documents(tmp_path_factory.mktemp("train") / "data", stdlib_documents(12), source="stdlib")
+
+
+# ------------------------------------------------------------------ rows, batches
+def test_rows_make_every_token_a_target_exactly_once():
+    docs = [("a", "alpha beta gamma " * 30), ("b", "x"), ("c", "def f():\n    return 1\n" * 9)]
+    tok = train_tokenizer([t for _, t in docs], 300)
+    rows = build_rows(docs, tok, seq_len=16)
+    eos = tok.token_to_id(EOS)
+    for d, (doc_id, text) in enumerate(docs):
+        ids = tok.encode(text, add_special_tokens=False).ids + [eos]
+        mine = np.flatnonzero(rows.doc == d)
+        assert rows.doc_ids[d] == doc_id
+        # Targets are tokens 1.. of each row; concatenated they are the document minus its first token.
+        targets = np.concatenate([rows.tokens[r, 1:rows.lengths[r]] for r in mine])
+        assert targets.tolist() == ids[1:]
+        inputs = np.concatenate([rows.tokens[r, :rows.lengths[r] - 1] for r in mine])
+        assert inputs.tolist() == ids[:-1]
+    batch = make_batch(rows, np.arange(len(rows)))
+    assert int(batch.loss_mask.sum()) == sum(len(tok.encode(t).ids) for _, t in docs)  # +eos -first
+    assert [batch.doc_ids[i] for i in batch.doc_index.tolist()] == [rows.doc_ids[d] for d in rows.doc]
+    assert (batch.targets[batch.loss_mask] != rows.pad_id).all()
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    first_epoch = np.concatenate([batch_rows(10, 5, s, seed=3) for s in range(2)])
+    assert sorted(first_epoch.tolist()) == list(range(10))  # an epoch is a permutation
+    assert (batch_rows(10, 5, 7, seed=3) == batch_rows(10, 5, 7, seed=3)).all()
+    assert not (batch_rows(10, 5, 0, seed=3) == batch_rows(10, 5, 0, seed=4)).all()
+    straddle = batch_rows(10, 4, 2, seed=3)  # positions 8..11: two of epoch 0, two of epoch 1
+    assert len(straddle) == 4
+
+
+def test_holdout_is_by_id_and_about_the_fraction():
+    ids = [f"doc-{i}" for i in range(4000)]
+    held = [is_holdout(i, 0.1) for i in ids]
+    assert 0.08 < np.mean(held) < 0.12
+    assert held == [is_holdout(i, 0.1) for i in ids]
+    assert not any(is_holdout(i, 0.0) for i in ids)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    p = tiny_params(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    lrs = [learning_rate(s, p) for s in range(1, 101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------ spikes
+def test_spike_detector_needs_history_then_flags_six_sigma():
+    det = SpikeDetector(window=8, sigma=6.0, min_history=4)
+    assert det.check([1e9, 1e9]) == [False, False]  # nothing judged without history
+    for v in (1.0, 1.1, 0.9, 1.0, 1.05):
+        det.accept([v, v])
+    assert det.check([1.2, 1.2]) == [False, False]
+    assert det.check([5.0, 1.0]) == [True, False]
+    for _ in range(20):  # the ring buffer forgets old values
+        det.accept([3.0, 3.0])
+    assert det.check([3.0, 3.0]) == [False, False]
+
+
+def test_a_loss_spike_skips_the_step_and_flags_its_documents(tmp_path):
+    # One-row documents of near-identical prose, and one of random characters. The loss on the
+    # prose flattens within a few dozen steps; the random document is then a 6-sigma outlier.
+    rng = np.random.default_rng(0)
+    prose = [(f"p{i}", f"The cat number {i % 7} sat on the mat and looked at the door.") for i in range(80)]
+    garbage = ("garbage", "".join(rng.choice(list("qzxjkv0123456789#$%&QZXJ"), 45)))
+    docs = prose[:50] + [garbage] + prose[50:]
+    data = write_documents(tmp_path / "data", docs)
+    params = tiny_params(batch_size=2, steps=70, holdout=0.0, checkpoint_every=70, seq_len=64, lr=1e-2,
+                         telemetry=TrainTelemetryParams(spike_window=16, spike_min_history=16))
+    # Rows are documents in order (each fits one row); choose a seed that draws the garbage
+    # (row 50) only after the loss has flattened.
+    def garbage_steps(seed: int) -> list[int]:
+        return [s + 1 for s in range(params.steps) if 50 in batch_rows(len(docs), 2, s, seed)]
+
+    seed = next(s for s in range(500) if min(garbage_steps(s)) >= 32)
+    params = dataclasses.replace(params, seed=seed)
+    spikes = garbage_steps(seed)
+
+    result = train(open_version(data), tmp_path / "run", params, progress=False)
+    history = [json.loads(line) for line in (tmp_path / "run/history.jsonl").read_text().splitlines()]
+    skipped = {h["step"]: h["skipped"] for h in history if h["skipped"]}
+    assert set(skipped) == set(spikes), (skipped, spikes)
+    assert all(reason.startswith("skipped_step:") for reason in skipped.values())
+    assert result.metrics["skipped_steps"] == len(spikes)
+
+    telemetry = read_telemetry(tmp_path / "run").to_pylist()
+    flagged = [r for r in telemetry if r["flagged"]]
+    from assay.schema import document_id
+
+    assert {r["sample_id"] for r in flagged} >= {document_id("tests", "garbage")}
+    assert {r["step"] for r in flagged} == set(spikes)
+    for step in spikes:
+        worst = max((r for r in telemetry if r["step"] == step), key=lambda r: r["loss"])
+        assert worst["sample_id"] == document_id("tests", "garbage")
+
+    # The optimizer really skipped it: AdamW counted one step fewer than the run made.
+    from training.checkpoint import latest_checkpoint, load_checkpoint
+    from training.trainer import build_model, build_optimizer
+
+    model = build_model(params, result.metrics["vocab_size"], torch.device("cpu"))
+    optimizer = build_optimizer(model, params)
+    load_checkpoint(latest_checkpoint(tmp_path / "run"), model, optimizer, {})
+    steps = {float(s["step"]) for s in optimizer.state.values()}
+    assert steps == {float(params.steps - len(spikes))}
+
+
+# ------------------------------------------------------------------ runs in-process
+def test_training_writes_the_run_and_telemetry_contract(stdlib_data, tmp_path):
+    result = train(open_version(stdlib_data), tmp_path / "run", tiny_params(steps=12), progress=False)
+    m = result.metrics
+    run = tmp_path / "run"
+    for name in ("tokenizer.json", "history.jsonl", "metrics.json", "checkpoints/latest"):
+        assert (run / name).exists(), name
+    assert json.loads((run / "metrics.json").read_text()) == m
+    assert 0 < m["val_accuracy"] < 1 and m["val_loss"] > 0 and m["val_rows"] > 0
+    assert m["data"]["data_hash"].startswith("local-") and m["data"]["tracked"] is False
+
+    from assay.schema import TELEMETRY_SCHEMA
+
+    table = read_telemetry(run)
+    assert table.schema.equals(TELEMETRY_SCHEMA)
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == list(range(1, 13))
+    by_step = table.group_by("step").aggregate([("tokens", "sum")]).to_pydict()
+    assert dict(zip(by_step["step"], by_step["tokens_sum"])) == {h["step"]: h["tokens"] for h in history}
+    assert all(g is not None and g > 0 for g in table.column("grad_norm").to_pylist())
+    ids = set(open_version(stdlib_data).iter_batches(columns=["id"]).__next__().column("id").to_pylist())
+    assert set(table.column("sample_id").to_pylist()) <= ids
+
+
+def test_a_finished_run_is_not_redone_and_a_used_out_is_not_clobbered(stdlib_data, tmp_path):
+    params = tiny_params(steps=4)
+    train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+    with pytest.raises(AssayError, match="--resume .* or --overwrite"):
+        train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+    again = train(open_version(stdlib_data), tmp_path / "run", params, overwrite=True, progress=False)
+    assert again.resumed_from == 4  # same data and params: the finished run stands
+    with pytest.raises(AssayError, match="no checkpoint"):
+        train(open_version(stdlib_data), tmp_path / "empty", params, resume=True, progress=False)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_reduced_precision_trains(stdlib_data, tmp_path, precision):
+    result = train(open_version(stdlib_data), tmp_path / precision, tiny_params(steps=10, precision=precision),
+                   progress=False)
+    history = [json.loads(line) for line in (tmp_path / precision / "history.jsonl").read_text().splitlines()]
+    assert np.isfinite([h["loss"] for h in history]).all()
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert result.metrics["precision"] == precision
+
+
+def test_sparse_attention_and_moe_train_with_balanced_routing(stdlib_data, tmp_path):
+    model = dataclasses.replace(TINY_MODEL, attention="sparse", sparse_window=8, sparse_block=8, sparse_topk=2,
+                                ffn="moe", n_experts=4, moe_topk=2, moe_bias_gamma=0.01)
+    result = train(open_version(stdlib_data), tmp_path / "run", tiny_params(steps=10, model=model), progress=False)
+    history = [json.loads(line) for line in (tmp_path / "run/history.jsonl").read_text().splitlines()]
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert result.metrics["moe_bias_abs_max"] > 0  # the balancing bias moved
+    assert all(h["moe_max_over_mean"] >= 1.0 for h in history)  # load statistics, every step
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_checkpoint_metadata_with_code_in_it_is_refused(stdlib_data, tmp_path):
+    from training.checkpoint import latest_checkpoint, load_checkpoint
+    from training.trainer import build_model, build_optimizer
+
+    params = tiny_params(steps=2)
+    result = train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+    checkpoint = latest_checkpoint(tmp_path / "run")
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    model = build_model(params, result.metrics["vocab_size"], torch.device("cpu"))
+    with pytest.raises(Exception, match="not allowed"):
+        load_checkpoint(checkpoint, model, build_optimizer(model, params), {})
+    assert not (tmp_path / "pwned").exists()
+
+
+# ------------------------------------------------------------------ the CLI
+def _cli(args, cwd, check=True, **kwargs):
+    proc = subprocess.run([ASSAY, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"assay {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _params_file(tmp_path: Path, params: TrainParams) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"train": dataclasses.asdict(params)}, sort_keys=False))
+    return path
+
+
+def _history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+
+
+def test_cli_trains_20_steps_and_the_loss_falls(stdlib_data, tmp_path):
+    params_file = _params_file(tmp_path, tiny_params(steps=20))
+    proc = _cli(["--params", params_file, "train", "--data", stdlib_data, "--out", tmp_path / "run",
+                 "--device", "cpu", "--profile", "--json"], cwd=tmp_path)
+    metrics = json.loads(proc.stdout[proc.stdout.index("{"):])
+    history = _history(tmp_path / "run")
+    assert len(history) == 20
+    assert np.mean([h["loss"] for h in history[-5:]]) < np.mean([h["loss"] for h in history[:5]]) - 0.3
+    assert metrics["steps"] == 20 and metrics["device"] == "cpu"
+    assert (tmp_path / "run/profile/trace.json").stat().st_size > 0
+    assert "tok/s" in proc.stderr  # the progress bar's throughput
+    bad = _cli(["--params", params_file, "train", "--data", tmp_path / "nope", "--out", tmp_path / "r2"],
+               cwd=tmp_path, check=False)
+    assert bad.returncode == 1 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_resume_after_kill_9_is_bit_exact(stdlib_data, tmp_path):
+    # Big enough that the 50 steps after the checkpoint take a few seconds: room to kill.
+    params = tiny_params(steps=100, checkpoint_every=50, seq_len=64, batch_size=8,
+                         model=dataclasses.replace(TINY_MODEL, dim=64, ffn_hidden=128))
+    params_file = _params_file(tmp_path, params)
+    base = ["--params", params_file, "train", "--data", stdlib_data, "--device", "cpu"]
+    _cli([*base, "--out", tmp_path / "straight"], cwd=tmp_path)
+
+    killed = tmp_path / "killed"
+    # Its own process group, killed whole: the CLI's temporary Prefect server dies with it.
+    proc = subprocess.Popen([ASSAY, *map(str, base), "--out", str(killed)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints/latest").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "metrics.json").exists(), "killed too late: the run had finished"
+
+    resumed = _cli([*base, "--out", killed, "--resume"], cwd=tmp_path)
+    assert "resumed from step 50" in resumed.stdout + resumed.stderr
+    assert _history(killed) == _history(tmp_path / "straight")
+    assert read_telemetry(killed).equals(read_telemetry(tmp_path / "straight"))
+
+
+# ------------------------------------------------------------------ DVC revisions
+def _git(args, cwd, env):
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_training_reads_the_version_committed_at_a_rev(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@example.com")
+    dvc = str(BIN / "dvc")
+    _git(["git", "init", "-q"], repo, env)
+    _git([dvc, "init", "-q"], repo, env)
+    write_documents(repo / "data/ds", stdlib_documents(6), source="v1")
+    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    _git(["git", "add", "-A"], repo, env)
+    _git(["git", "commit", "-qm", "v1"], repo, env)
+    _git(["git", "tag", "v1"], repo, env)
+    shutil.rmtree(repo / "data/ds")
+    write_documents(repo / "data/ds", stdlib_documents(6, offset=6), source="v2")
+    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    _git(["git", "commit", "-qam", "v2"], repo, env)
+
+    old, new = open_version(repo / "data/ds", rev="v1"), open_version(repo / "data/ds")
+    assert old.tracked and new.tracked and old.data_hash != new.data_hash
+    assert old.data_hash.endswith(".dir") and old.commit != new.commit
+    sources = {s for b in old.iter_batches(columns=["source"]) for s in b.column("source").to_pylist()}
+    assert sources == {"v1"}  # the workspace holds v2; the rev's bytes come from DVC's cache
+    with pytest.raises(AssayError, match="does not exist"):
+        open_version(repo / "data/nothing", rev="v1")
+
+    params = tiny_params(steps=4, checkpoint_every=2)
+    first = train(old, tmp_path / "run", dataclasses.replace(params, steps=2), progress=False)
+    assert first.metrics["data"]["rev"] == "v1" and first.metrics["data"]["data_hash"] == old.data_hash
+    with pytest.raises(AssayError, match="--allow-data-change"):
+        train(new, tmp_path / "run", params, resume=True, progress=False)
+    continued = train(new, tmp_path / "run", params, resume=True, allow_data_change=True, progress=False)
+    assert continued.resumed_from == 2 and continued.metrics["data"]["data_hash"] == new.data_hash

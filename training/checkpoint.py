@@ -1,0 +1,162 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP), safe to load and atomic to write.
+
+Layout of a run directory::
+
+    checkpoints/step-00000100/   DCP files: model, optimizer state, RNG, trainer tensors
+    checkpoints/step-00000100/trainer.json   step, data identity, config, optimizer groups
+    checkpoints/latest           the name of the newest complete checkpoint
+
+Why DCP: it stores tensors by fully qualified name and reshards on load, so the
+parallel trainer can resume on another world size from the same files.
+
+Safety: only tensors go into DCP (non-tensor values would be pickled and loaded
+with ``torch.load(weights_only=False)``); everything else is JSON. DCP's own
+``.metadata`` file is a pickle of its index classes; it is read through an
+unpickler that accepts those classes and nothing else.
+
+Atomicity: a checkpoint is written to ``step-N.tmp-*`` and renamed, then
+``latest`` is replaced atomically, so a run killed mid-save resumes from the
+previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from assay.errors import AssayError
+
+__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_FILE = "trainer.json"
+
+# Modules whose classes DCP's metadata pickle may name. Anything else (os.system…) is refused.
+_SAFE_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.storage",
+)
+_SAFE_GLOBALS = {
+    ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+    ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided…
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+}
+
+
+@contextmanager
+def _single_process_ok():
+    # DCP warns that it assumes one process when no process group exists: that is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not allowed")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with a restricted unpickler for ``.metadata``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]):
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Optimizer hyperparameters (param_groups) are plain values: they go to JSON.
+    return {"model": model_sd, "optim": optim_sd["state"], "extra": tensors}, optim_sd["param_groups"]
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    tensors: dict[str, torch.Tensor], trainer: dict) -> Path:
+    """Write checkpoint ``step`` and point ``latest`` at it; returns its directory."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f"{final.name}.tmp-save"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state, groups = _tensor_state(model, optimizer, tensors)
+    with _single_process_ok():
+        dcp.save(state, checkpoint_id=str(tmp))
+    (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "step": step, "param_groups": groups},
+                                               indent=2, sort_keys=True, default=str))
+    if final.exists():  # the same step saved again (a rerun): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    pointer.replace(root / LATEST)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None; leftovers of a killed save are removed."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    for leftover in root.glob("*.tmp-save"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    pointer = root / LATEST
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / TRAINER_FILE).exists() else None
+
+
+def read_trainer_state(checkpoint: str | Path) -> dict:
+    return json.loads((Path(checkpoint) / TRAINER_FILE).read_text())
+
+
+def load_checkpoint(checkpoint: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    tensors: dict[str, torch.Tensor]) -> dict:
+    """Restore model, optimizer and ``tensors`` (in place, same shapes) from ``checkpoint``;
+    returns the trainer JSON."""
+    trainer = read_trainer_state(checkpoint)
+    reader = SafeReader(str(checkpoint))
+    try:  # checked up front: DCP would bury the reason in a per-rank exception dump
+        reader.read_metadata()
+    except pickle.UnpicklingError as exc:
+        raise AssayError(f"refusing to load {checkpoint}: {exc}") from None
+    # get_state_dict initialises empty optimizer state, so DCP has tensors to load into.
+    state, _ = _tensor_state(model, optimizer, tensors)
+    with _single_process_ok():
+        dcp.load(state, storage_reader=reader)
+    groups = trainer["param_groups"]
+    for group in groups:  # JSON turned tuples into lists
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"], "param_groups": groups})
+    for name, tensor in tensors.items():
+        tensor.copy_(state["extra"][name])
+    return trainer

@@ -1,0 +1,565 @@
+"""Per-document losses and gradient norms from the training step's own forward and backward.
+
+Why: a document whose gradient is far larger than its neighbours' is often junk (random
+bytes, boilerplate in a new language, a broken encoding). Its gradient norm is the
+quantity an optimizer step actually feels, so it is a sharper data-quality signal than
+its loss alone. Measuring it must not cost an extra backward per document, so we take
+it from the one backward the trainer runs anyway.
+
+Setting
+-------
+A batch has ``B`` rows of ``N`` positions. Row ``r`` holds tokens of one document
+``doc[r]`` (a long document may fill several rows; rows never mix documents).
+With per-token losses ``l_t`` and loss mask ``m_t``::
+
+    L   = (1 / N_tot) * sum_t m_t l_t            N_tot = sum_t m_t        (batch loss)
+    L_d = (1 / N_d)   * sum_{t in d} m_t l_t     N_d   = sum_{t in d} m_t (document loss)
+
+We want ``||grad_theta L_d||_2`` over all trainable parameters, for every ``d``.
+
+Rescaling the batch backward
+----------------------------
+Rows do not interact (attention stays inside a row, MoE routing is per token, there is no
+batch normalisation; a model that mixed rows would break this, and the tests compare
+against autograd of each document's own loss), so an activation ``z_t`` at a position of row ``r`` only influences
+the losses of row ``r``, which all belong to ``d = doc[r]``::
+
+    dL/dz_t   = (1 / N_tot) * sum_{s in r} m_s dl_s/dz_t
+    dL_d/dz_t = (1 / N_d)   * sum_{s in r} m_s dl_s/dz_t = (N_tot / N_d) * dL/dz_t
+
+So the output gradients ``g_t`` of every layer in the ordinary batch backward, times
+``N_tot / N_d``, are exactly the output gradients of ``L_d`` (positions of other
+documents get 0). Squared norms therefore take the factor ``(N_tot / N_d)^2``, applied
+once at the end (and ``1 / loss_scale^2`` when the backward ran on ``loss * loss_scale``).
+
+Per-layer contributions (each parameter belongs to one module, so squared norms add)
+-----------------------------------------------------------------------------------
+Linear ``y_t = W a_t (+ b)``: ``grad_W L_d ∝ sum_{t in d} g_t a_t^T`` -- the
+per-example gradient trick of Goodfellow (2015, "Efficient per-example gradient
+computations"), applied to groups of tokens. Its squared Frobenius norm can be computed
+two ways: the ghost norm of ghost clipping (Li et al. 2022, "Large Language Models Can Be
+Strong Differentially Private Learners"; in Opacus as ``GradSampleModuleFastGradientClipping``)
+or by materialising the group gradient, and we take the cheaper per layer (the "mixed
+ghost clipping" rule of Bu et al. 2022, ghost when ``T^2`` is small next to ``d_in d_out``):
+
+* ghost:       ``sum_{t,s in d} (g_t . g_s)(a_t . a_s)``: two Gram matrices per pair of
+  rows of the same document, cost ``~ P M^2 (d_in + d_out)`` (``P`` row pairs, the ``B``
+  rows with themselves included; ``M`` positions per row: ``N``, fewer for an expert);
+* materialise: ``||sum_{t in d} g_t a_t^T||^2`` via one ``(d_out, d_in)`` matrix per row,
+  cost ``~ B M d_in d_out`` -- the same as the weight gradient itself.
+
+Bias: ``||sum_{t in d} g_t||^2``.
+
+Embedding: ``grad_E L_d`` has row ``v`` equal to ``sum_{t in d, tok_t = v} g_t``. Instead of the
+ghost form ``sum_{t,s} (g_t . g_s) [tok_t = tok_s]`` we sum ``g_t`` per distinct
+(document, token id) pair, which is exact and linear in the number of tokens.
+
+RMSNorm ``y = x_hat * w``: the per-token weight gradient is ``g_t * x_hat_t`` (elementwise),
+a ``dim``-vector, so we simply sum it per document.
+
+MoE experts see a subset of the tokens (``flat.index_select(0, ids)``); ``MoE.last_dispatch``
+says which, and we lay those tokens back out by row (zero-padded) before the same Linear
+formulas. Zero padding contributes nothing to either form.
+
+All norm arithmetic is fp32 (fp64 for an fp64 model), also under ``torch.autocast``;
+the activation is first rounded to the Linear's compute dtype, as autocast does, so the
+norm is built from the operands the weight gradient really uses.
+
+Mechanics: forward hooks keep each supported module's input and register a tensor hook
+on its output; the tensor hook receives ``g`` during the backward, adds the module's
+per-document squared norms to an accumulator and drops the saved input. Nothing touches
+the gradients themselves, so ``.grad`` ends up exactly as a plain ``loss.backward()``
+leaves it. Hooks live only inside a context manager.
+
+Models with parameters this module cannot attribute (an unknown module type owning
+parameters, a parameter shared between modules) fall back, with a warning, to
+:func:`per_document_grad_norms_reference` (one more forward, and a backward per document).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.model import RMSNorm
+from training.moe import MoE
+
+__all__ = [
+    "DocumentStats",
+    "per_document_grad_norms_functional",
+    "per_document_grad_norms_reference",
+    "per_document_loss_and_grad_norm",
+]
+
+Method = Literal["auto", "ghost", "materialise"]
+
+# Upper bound on the elements of one temporary (Gram matrices, per-row weight gradients):
+# bounds the extra memory of a hook independently of the batch size.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class DocumentStats:
+    """Per-document results of one batch; documents without unmasked tokens get NaN."""
+
+    loss: torch.Tensor  # (n_docs,) mean token loss L_d over the document's unmasked tokens
+    grad_norm: torch.Tensor  # (n_docs,) ||grad_theta L_d||_2 over all trainable parameters
+    tokens: torch.Tensor  # (n_docs,) long: unmasked tokens of each document in this batch
+    batch_loss: torch.Tensor  # () the batch loss L (before loss_scale), detached
+
+
+# ----------------------------------------------------------------------------- losses
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, N) cross-entropy, 0 at masked positions (whatever their target holds)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the softmax of a large vocabulary wants fp32
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.masked_fill(~mask, -100).reshape(-1),
+        ignore_index=-100,
+        reduction="none",
+    )
+    return ce.view(mask.shape)
+
+
+def _check_batch(
+    tokens: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor, doc_index: torch.Tensor, n_docs: int
+) -> None:
+    if tokens.dim() != 2 or targets.shape != tokens.shape or loss_mask.shape != tokens.shape:
+        raise ValueError(
+            f"tokens, targets, loss_mask must all be (B, N); got {tuple(tokens.shape)}, "
+            f"{tuple(targets.shape)}, {tuple(loss_mask.shape)}"
+        )
+    if doc_index.shape != tokens.shape[:1]:
+        raise ValueError(f"doc_index must be (B,) = ({tokens.shape[0]},), got {tuple(doc_index.shape)}")
+    if doc_index.numel() and (int(doc_index.min()) < 0 or int(doc_index.max()) >= n_docs):
+        raise ValueError(f"doc_index must lie in [0, {n_docs})")
+
+
+def _doc_tokens(mask: torch.Tensor, doc_index: torch.Tensor, n_docs: int) -> torch.Tensor:
+    return torch.zeros(n_docs, dtype=torch.long, device=mask.device).index_add_(
+        0, doc_index, mask.sum(1)
+    )
+
+
+# ----------------------------------------------------------------------------- layout
+class _Rows:
+    """Which rows share a document: everything the hooks need about the batch."""
+
+    def __init__(self, doc_index: torch.Tensor, n_docs: int, seq_len: int):
+        self.row_doc = doc_index
+        self.n_rows = doc_index.numel()
+        self.n_docs = n_docs
+        self.seq_len = seq_len
+        # Pairs r < r' of rows of one document, for the ghost sum's cross terms (weight 2 by
+        # symmetry); the diagonal r == r' is handled without indexing.
+        same = doc_index[:, None] == doc_index[None, :]
+        self.pair_left, self.pair_right = torch.triu(same, diagonal=1).nonzero(as_tuple=True)
+        rows_of: dict[int, list[int]] = {}
+        for r, d in enumerate(doc_index.tolist()):
+            rows_of.setdefault(d, []).append(r)
+        self._rows_of_doc = sorted(rows_of.items())
+        self._chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    def doc_chunks(self, max_rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Whole documents grouped into chunks of at most ``max_rows`` rows (more only for
+        one document that alone has more): (rows, chunk-local document of each row, documents)."""
+        if max_rows not in self._chunks:
+            device = self.row_doc.device
+            chunks, rows, local, docs = [], [], [], []
+            for d, doc_rows in self._rows_of_doc:
+                if rows and len(rows) + len(doc_rows) > max_rows:
+                    chunks.append((rows, local, docs))
+                    rows, local, docs = [], [], []
+                local += [len(docs)] * len(doc_rows)
+                rows += doc_rows
+                docs.append(d)
+            if rows:
+                chunks.append((rows, local, docs))
+            self._chunks[max_rows] = [
+                tuple(torch.tensor(v, dtype=torch.long, device=device) for v in c) for c in chunks
+            ]
+        return self._chunks[max_rows]
+
+
+def _pad_by_row(ids: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For a token subset (flat ids b * N + n): (row, slot) of each token in a zero-padded
+    (B, M, .) layout, M = most tokens any row has. Works for any order of ``ids``."""
+    row = torch.div(ids, rows.seq_len, rounding_mode="floor")
+    count = torch.bincount(row, minlength=rows.n_rows)
+    order = torch.argsort(row, stable=True)
+    first = count.cumsum(0) - count
+    slot = torch.empty_like(row)
+    slot[order] = torch.arange(ids.numel(), device=ids.device) - first[row[order]]
+    return row, slot, int(count.max()) if ids.numel() else 0
+
+
+# ----------------------------------------------------------------------------- norms
+def _linear_sq_norms(
+    a: torch.Tensor, g: torch.Tensor, rows: _Rows, weight: bool, bias: bool, method: Method
+) -> torch.Tensor:
+    """Per-document squared norms of sum_{t in d} g_t a_t^T (and of sum g_t); a, g are (B, M, .)."""
+    B, M, d_in = a.shape
+    d_out = g.shape[-1]
+    out = torch.zeros(rows.n_docs, dtype=torch.float64, device=a.device)
+    if bias:
+        per_doc = torch.zeros(rows.n_docs, d_out, dtype=g.dtype, device=g.device)
+        out += per_doc.index_add_(0, rows.row_doc, g.sum(1)).pow(2).sum(1).double()
+    if not weight:
+        return out
+    if method == "auto":
+        n_pairs = B + rows.pair_left.numel()
+        ghost_cost = n_pairs * M * M * (d_in + d_out)
+        method = "ghost" if ghost_cost <= B * M * d_in * d_out else "materialise"
+
+    if method == "ghost":
+        # Diagonal blocks: each row with itself.
+        step = max(1, _CHUNK_ELEMENTS // max(1, M * M))
+        for i in range(0, B, step):
+            ga = torch.bmm(a[i : i + step], a[i : i + step].mT)
+            gg = torch.bmm(g[i : i + step], g[i : i + step].mT)
+            out.index_add_(0, rows.row_doc[i : i + step], (ga * gg).sum((1, 2)).double())
+        # Off-diagonal blocks between two rows of one document, twice by symmetry.
+        for i in range(0, rows.pair_left.numel(), step):
+            left, right = rows.pair_left[i : i + step], rows.pair_right[i : i + step]
+            ga = torch.bmm(a[left], a[right].mT)
+            gg = torch.bmm(g[left], g[right].mT)
+            out.index_add_(0, rows.row_doc[left], 2 * (ga * gg).sum((1, 2)).double())
+        return out
+
+    # Whole documents per chunk, so that a document's rows are summed before squaring while
+    # memory stays at a few (d_out, d_in) matrices per row of the chunk.
+    for chunk_rows, local_doc, docs in rows.doc_chunks(max(1, _CHUNK_ELEMENTS // (d_in * d_out))):
+        per_row = torch.bmm(g[chunk_rows].mT, a[chunk_rows])
+        if len(docs) < len(chunk_rows):
+            per_row = per_row.new_zeros(len(docs), d_out, d_in).index_add_(0, local_doc, per_row)
+        out.index_add_(0, docs, per_row.pow(2).sum((1, 2)).double())
+    return out
+
+
+def _embedding_sq_norms(module: nn.Embedding, tok: torch.Tensor, g: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    tok = tok.reshape(-1)
+    g = g.reshape(tok.numel(), -1)
+    doc = rows.row_doc.repeat_interleave(tok.numel() // rows.n_rows)
+    if module.padding_idx is not None:  # that row of the table never receives gradient
+        keep = tok != module.padding_idx
+        tok, g, doc = tok[keep], g[keep], doc[keep]
+    key = doc * module.num_embeddings + tok
+    unique, inverse = torch.unique(key, return_inverse=True)
+    per_key = torch.zeros(unique.numel(), g.shape[1], dtype=g.dtype, device=g.device)
+    per_key.index_add_(0, inverse, g)
+    out = torch.zeros(rows.n_docs, dtype=torch.float64, device=g.device)
+    return out.index_add_(0, unique // module.num_embeddings, per_key.pow(2).sum(1).double())
+
+
+def _rmsnorm_sq_norms(
+    module: RMSNorm, x: torch.Tensor, g: torch.Tensor, rows: _Rows, dtype: torch.dtype
+) -> torch.Tensor:
+    # Recompute x_hat exactly as RMSNorm.forward does (fp32, then back to x's dtype).
+    xf = x.float()
+    x_hat = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).type_as(x)
+    per_token = g.to(dtype) * x_hat.to(dtype)
+    per_row = per_token.reshape(rows.n_rows, -1, per_token.shape[-1]).sum(1)
+    per_doc = torch.zeros(rows.n_docs, per_row.shape[1], dtype=dtype, device=x.device)
+    return per_doc.index_add_(0, rows.row_doc, per_row).pow(2).sum(1).double()
+
+
+# ----------------------------------------------------------------------------- hooks
+@dataclass
+class _Plan:
+    kinds: dict[nn.Module, str]  # module -> "linear" | "embedding" | "rmsnorm"
+    expert_of: dict[nn.Module, tuple[MoE, int]]  # Linear inside an MoE expert -> (moe, e)
+    unsupported: list[str]
+
+
+def _plan(model: nn.Module) -> _Plan:
+    expert_of: dict[nn.Module, tuple[MoE, int]] = {}
+    for moe in model.modules():
+        if isinstance(moe, MoE):
+            for e, expert in enumerate(moe.experts):
+                for m in expert.modules():
+                    expert_of[m] = (moe, e)
+    kinds: dict[nn.Module, str] = {}
+    unsupported: list[str] = []
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        for p in params:
+            if id(p) in owner:  # its two gradients would interfere: cross terms we don't track
+                unsupported.append(f"{name} (parameter shared with {owner[id(p)]})")
+            owner[id(p)] = name
+        if isinstance(module, nn.Linear):  # subclasses too (e.g. Float8Linear)
+            kinds[module] = "linear"
+        elif isinstance(module, nn.Embedding) and not module.scale_grad_by_freq:
+            kinds[module] = "embedding"
+        elif isinstance(module, RMSNorm):
+            kinds[module] = "rmsnorm"
+        else:
+            unsupported.append(f"{name} ({type(module).__name__})")
+    return _Plan(kinds, expert_of, unsupported)
+
+
+class _GhostNorms:
+    """Forward hooks that save inputs; output tensor hooks that turn g into squared norms."""
+
+    def __init__(self, plan: _Plan, rows: _Rows, method: Method):
+        self.plan, self.rows, self.method = plan, rows, method
+        self.sq_norms = torch.zeros(rows.n_docs, dtype=torch.float64, device=rows.row_doc.device)
+        self.called: set[nn.Module] = set()
+        self.capturing = True  # False after the forward: recomputation (checkpointing) is ignored
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _forward_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if not self.capturing:
+            return
+        if module in self.called:
+            raise RuntimeError(
+                f"{type(module).__name__} ran twice in one forward; per-document ghost norms "
+                "need each parameterised module to run once (use the reference instead)"
+            )
+        self.called.add(module)
+        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        dispatch = None
+        if module in self.plan.expert_of:
+            moe, e = self.plan.expert_of[module]
+            if moe.last_dispatch is None:
+                raise RuntimeError("MoE.last_dispatch missing: cannot map expert tokens to rows")
+            dispatch = (moe.last_dispatch, e)
+        elif args[0].numel() // max(1, _width(module, args[0])) != self.rows.n_rows * self.rows.seq_len:
+            raise RuntimeError(
+                f"{type(module).__name__} input {tuple(args[0].shape)} does not hold one entry per "
+                f"batch position ({self.rows.n_rows} x {self.rows.seq_len})"
+            )
+        saved = {"x": args[0], "out_dtype": output.dtype, "dispatch": dispatch}
+        self.handles.append(output.register_hook(lambda g: self._on_grad(module, saved, g)))
+
+    def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
+        # Hooks run inside the backward: no graph, and no autocast from the caller's context.
+        with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
+            self.sq_norms += self._sq_norms(module, saved, g)
+        saved.clear()  # free the input now rather than at the end of the step
+
+    def _sq_norms(self, module: nn.Module, saved: dict, g: torch.Tensor) -> torch.Tensor:
+        x, rows = saved["x"], self.rows
+        dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
+        kind = self.plan.kinds[module]
+        if kind == "embedding":
+            return _embedding_sq_norms(module, x, g.to(dtype), rows)
+        if kind == "rmsnorm":
+            return _rmsnorm_sq_norms(module, x, g, rows, dtype)
+        # Linear: the weight gradient is built from the input as the layer's kernel saw it
+        # (autocast casts it to the output dtype), accumulated in fp32.
+        a = x.to(saved["out_dtype"]).to(dtype).reshape(-1, x.shape[-1])
+        g = g.to(dtype).reshape(-1, g.shape[-1])
+        if saved["dispatch"] is None:
+            a = a.view(rows.n_rows, rows.seq_len, -1)
+            g = g.view(rows.n_rows, rows.seq_len, -1)
+        else:
+            (token_ids, counts), e = saved["dispatch"]
+            start = int(counts[:e].sum())
+            ids = token_ids[start : start + a.shape[0]]
+            row, slot, m = _pad_by_row(ids, rows)
+            a = a.new_zeros(rows.n_rows, m, a.shape[1]).index_put_((row, slot), a)
+            g = g.new_zeros(rows.n_rows, m, g.shape[1]).index_put_((row, slot), g)
+        weight = module.weight.requires_grad
+        bias = module.bias is not None and module.bias.requires_grad
+        return _linear_sq_norms(a, g, rows, weight, bias, self.method)
+
+
+def _width(module: nn.Module, x: torch.Tensor) -> int:
+    """Features per position of a module input (1 for an embedding's token ids)."""
+    return 1 if isinstance(module, nn.Embedding) else x.shape[-1]
+
+
+@contextmanager
+def _ghost_norm_hooks(plan: _Plan, rows: _Rows, method: Method) -> Iterator[_GhostNorms]:
+    ghost = _GhostNorms(plan, rows, method)
+    ghost.handles.extend(m.register_forward_hook(ghost._forward_hook) for m in plan.kinds)
+    try:
+        yield ghost
+    finally:
+        for h in ghost.handles:
+            h.remove()
+        ghost.handles.clear()
+
+
+# ----------------------------------------------------------------------------- public API
+def per_document_loss_and_grad_norm(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_index: torch.Tensor,
+    n_docs: int,
+    *,
+    loss_scale: float = 1.0,
+    method: Method = "auto",
+) -> DocumentStats:
+    """One forward and one backward of the batch loss, plus every document's loss and
+    ``||grad L_d||``.
+
+    Populates ``.grad`` exactly as ``(loss * loss_scale).backward()`` would (accumulating
+    into existing ``.grad`` like it), so the caller steps the optimizer afterwards. Run it
+    inside ``torch.autocast`` if the step uses autocast. ``method`` forces the Linear norm
+    algorithm (``"ghost"`` / ``"materialise"``); ``"auto"`` picks the cheaper per layer.
+    Reported losses and norms do not include ``loss_scale``.
+    """
+    _check_batch(tokens, targets, loss_mask, doc_index, n_docs)
+    if loss_scale <= 0:
+        raise ValueError("loss_scale must be > 0")
+    mask = loss_mask.bool()
+    doc_tokens = _doc_tokens(mask, doc_index, n_docs)
+    n_total = int(doc_tokens.sum())
+    if n_total == 0:
+        raise ValueError("the batch has no unmasked token")
+
+    plan = _plan(model)
+    if plan.unsupported:
+        warnings.warn(
+            "per-document ghost norms cannot attribute the gradient of "
+            + ", ".join(plan.unsupported)
+            + "; using the per-document reference loop",
+            stacklevel=2,
+        )
+        stats = per_document_grad_norms_reference(model, tokens, targets, loss_mask, doc_index, n_docs)
+        loss = _token_losses(model(tokens), targets, mask).sum() / n_total
+        (loss * loss_scale).backward()
+        stats.batch_loss = loss.detach()
+        return stats
+
+    rows = _Rows(doc_index, n_docs, tokens.shape[1])
+    with _ghost_norm_hooks(plan, rows, method) as ghost:
+        logits = model(tokens)
+        ghost.capturing = False
+        token_loss = _token_losses(logits, targets, mask)
+        loss = token_loss.sum() / n_total
+        (loss * loss_scale).backward()
+    sq_norms = ghost.sq_norms
+
+    doc_loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
+    doc_loss_sum.index_add_(0, doc_index, token_loss.detach().sum(1).double())
+    n_d = doc_tokens.double()
+    scale = n_total / (n_d * loss_scale)  # g_t -> dL_d/dz_t (inf for empty documents ...)
+    grad_norm = (sq_norms * scale**2).sqrt()
+    empty = doc_tokens == 0  # ... which have no loss, hence no gradient: report NaN
+    return DocumentStats(
+        loss=(doc_loss_sum / n_d).masked_fill(empty, float("nan")),
+        grad_norm=grad_norm.masked_fill(empty, float("nan")),
+        tokens=doc_tokens,
+        batch_loss=loss.detach(),
+    )
+
+
+@contextmanager
+def _preserved_state(model: nn.Module) -> Iterator[None]:
+    """Undo forward side effects (MoE load counters, last-forward records) of extra forwards."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    records = [
+        (m, name, getattr(m, name))
+        for m in model.modules()
+        if isinstance(m, MoE)
+        for name in ("last_tokens_per_expert", "last_dispatch")
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, name, value in records:
+            setattr(m, name, value)
+
+
+def per_document_grad_norms_reference(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_index: torch.Tensor,
+    n_docs: int,
+) -> DocumentStats:
+    """Exact per-document losses and norms by brute force: one forward of the batch, then
+    for each document ``torch.autograd.grad`` of its own ``L_d``. Leaves ``.grad`` and the
+    model's buffers as they were. Costs ``n_docs`` extra backward passes.
+
+    The whole batch, not each document's rows alone, goes through the model: this is the
+    definition of ``grad L_d`` on this batch, so if rows did interact (which the ghost
+    method assumes they don't) the two would disagree instead of both being wrong, and MoE
+    routing is the very same as in the training forward."""
+    _check_batch(tokens, targets, loss_mask, doc_index, n_docs)
+    mask = loss_mask.bool()
+    doc_tokens = _doc_tokens(mask, doc_index, n_docs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = torch.full((n_docs,), float("nan"), dtype=torch.float64, device=tokens.device)
+    grad_norm = loss.clone()
+    with _preserved_state(model):
+        token_loss = _token_losses(model(tokens), targets, mask)
+        docs = [d for d in range(n_docs) if doc_tokens[d] > 0]
+        for i, d in enumerate(docs):
+            loss_d = token_loss[doc_index == d].sum() / doc_tokens[d]
+            grads = torch.autograd.grad(loss_d, params, allow_unused=True, retain_graph=i + 1 < len(docs))
+            grad_norm[d] = sum(g.double().pow(2).sum() for g in grads if g is not None) ** 0.5
+            loss[d] = loss_d.detach().double()
+    n_d = doc_tokens.double()
+    batch_loss = (loss.nan_to_num() * n_d).sum() / n_d.sum()
+    return DocumentStats(loss=loss, grad_norm=grad_norm, tokens=doc_tokens, batch_loss=batch_loss)
+
+
+def per_document_grad_norms_functional(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_index: torch.Tensor,
+    n_docs: int,
+) -> DocumentStats:
+    """``torch.func`` variant: ``vmap(grad)`` over rows, row gradients summed per document.
+
+    Materialises one full gradient per row (memory ``B x parameters``), so it suits small
+    models only, and ``vmap`` rejects data-dependent control flow, so no MoE. Leaves
+    ``.grad`` untouched.
+    """
+    from torch.func import functional_call, grad_and_value, vmap
+
+    _check_batch(tokens, targets, loss_mask, doc_index, n_docs)
+    if any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError("vmap cannot trace the MoE dispatch; use per_document_loss_and_grad_norm")
+    mask = loss_mask.bool()
+    doc_tokens = _doc_tokens(mask, doc_index, n_docs)
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def row_loss_sum(params, tok, tgt, m):
+        logits = functional_call(model, (params, frozen, buffers), (tok[None],))[0]
+        # Masking by multiplication: ignore_index would need a data-dependent count.
+        ce = F.cross_entropy(logits, tgt.clamp_min(0), reduction="none")
+        return (ce * m).sum()
+
+    grads, loss_sums = vmap(grad_and_value(row_loss_sum), in_dims=(None, 0, 0, 0))(
+        params, tokens, targets.masked_fill(~mask, 0), mask.to(tokens.device, torch.float32)
+    )
+    n_d = doc_tokens.double()
+    sq = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
+    for g in grads.values():
+        per_doc = torch.zeros(n_docs, *g.shape[1:], dtype=g.dtype, device=g.device)
+        sq += per_doc.index_add_(0, doc_index, g).pow(2).flatten(1).sum(1).double()
+    loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
+    loss_sum.index_add_(0, doc_index, loss_sums.double())
+    empty = doc_tokens == 0
+    return DocumentStats(
+        loss=(loss_sum / n_d).masked_fill(empty, float("nan")),
+        grad_norm=(sq.sqrt() / n_d).masked_fill(empty, float("nan")),
+        tokens=doc_tokens,
+        batch_loss=loss_sum.sum() / n_d.sum(),
+    )

@@ -1,0 +1,401 @@
+"""Train a decoder LM on an exact dataset version; record per-document telemetry; resume exactly.
+
+One run directory holds everything a run makes::
+
+    tokenizer.json       byte-level BPE learnt on the training split
+    checkpoints/         DCP checkpoints (training.checkpoint), every N steps and at the end
+    telemetry/           per document per step: loss, gradient norm, flags (DESIGN.md contract)
+    history.jsonl        per step: loss, gradient norm, learning rate, tokens, skipped, MoE load
+    metrics.json         final loss, validation loss and next-token accuracy, data identity
+    profile/             a torch.profiler trace, with --profile
+
+The step loop, in order: batch of step s (a pure function of the seed and s) →
+forward + backward with per-document losses and gradient norms → OLMo's spike
+check on loss and gradient norm → optimizer step (or skip, flagging the
+step's documents) → MoE bias update. Everything that decides the next step is
+in the checkpoint, so "100 steps" and "50 steps, kill -9, resume, 50 more"
+give the same numbers on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+
+from assay.config import TrainParams
+from assay.devices import pick_device
+from assay.errors import AssayError
+from assay.shards import atomic_write_bytes, atomic_write_json
+from assay.versions import DatasetVersion
+from training.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
+from training.data import TokenRows, batch_rows, build_rows, is_holdout, make_batch
+from training.model import ModelArgs, Transformer
+from training.spikes import SpikeDetector
+from training.telemetry import TelemetryLog
+from training.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+__all__ = ["TrainResult", "train"]
+
+HISTORY_FILE = "history.jsonl"
+METRICS_FILE = "metrics.json"
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    steps: int
+    resumed_from: int | None
+    metrics: dict
+
+
+# --------------------------------------------------------------------- setup
+def config_fingerprint(params: TrainParams) -> str:
+    """What must match for a checkpoint to be continued as the same run."""
+    blob = json.dumps(dataclasses.asdict(params), sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=12).hexdigest()
+
+
+def _split_docs(version: DatasetVersion, holdout: float, batch_rows_: int = 1024) -> Iterator[tuple[str, str, bool]]:
+    for batch in version.iter_batches(columns=["id", "text"], batch_rows=batch_rows_):
+        for doc_id, text in zip(batch.column("id").to_pylist(), batch.column("text").to_pylist()):
+            if text:
+                yield doc_id, text, is_holdout(doc_id, holdout)
+
+
+def _tokenizer_texts(version: DatasetVersion, params: TrainParams) -> Iterator[str]:
+    budget = params.tokenizer_chars
+    for _, text, held in _split_docs(version, params.holdout):
+        if held:
+            continue
+        yield text[:budget]
+        budget -= len(text)
+        if budget <= 0:
+            return
+
+
+def _rows(version: DatasetVersion, tokenizer, params: TrainParams) -> tuple[TokenRows, TokenRows]:
+    # Two streaming passes rather than one held in memory: Parquet reads are cheap next to tokenizing.
+    train = build_rows(((i, t) for i, t, held in _split_docs(version, params.holdout) if not held),
+                       tokenizer, params.seq_len)
+    held = build_rows(((i, t) for i, t, held in _split_docs(version, params.holdout) if held),
+                      tokenizer, params.seq_len)
+    return train, held
+
+
+def build_model(params: TrainParams, vocab_size: int, device: torch.device) -> Transformer:
+    args = ModelArgs(vocab_size=vocab_size, max_seq_len=params.seq_len, **dataclasses.asdict(params.model))
+    with torch.device("meta"):
+        model = Transformer(args)
+    if params.precision == "fp8":
+        from training.fp8 import convert_to_float8
+
+        convert_to_float8(model)
+    model.to_empty(device=device)
+    model.init_weights(seed=params.seed)
+    return model
+
+
+def build_optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
+    # No weight decay on gains and embeddings, as in GPT-3 / Llama recipes.
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": params.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=params.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
+def learning_rate(step: int, params: TrainParams) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio at the last step (1-based step)."""
+    if step <= params.warmup_steps:
+        return params.lr * step / max(1, params.warmup_steps)
+    span = max(1, params.steps - params.warmup_steps)
+    progress = min(1.0, (step - params.warmup_steps) / span)
+    floor = params.lr * params.min_lr_ratio
+    return floor + (params.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """fp8 runs its converted Linears in float8 and the rest under bf16 autocast (DeepSeek-V3)."""
+    if precision in ("bf16", "fp8"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- per-step math
+def per_document_losses(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
+                        doc_index: torch.Tensor, n_docs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(batch mean loss, per-document mean loss (n_docs,), per-document tokens (n_docs,))."""
+    token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    token_loss = token_loss.view_as(targets) * loss_mask
+    row_sum, row_tokens = token_loss.sum(1), loss_mask.sum(1)
+    doc_sum = torch.zeros(n_docs, device=logits.device).index_add_(0, doc_index, row_sum)
+    doc_tokens = torch.zeros(n_docs, device=logits.device, dtype=torch.long).index_add_(0, doc_index, row_tokens)
+    batch_loss = token_loss.sum() / loss_mask.sum().clamp_min(1)
+    return batch_loss, doc_sum / doc_tokens.clamp_min(1), doc_tokens
+
+
+def forward_backward(model: Transformer, batch, grad_norms: str):
+    """Run one forward and backward; returns (loss, doc losses, doc grad norms or None, doc tokens)."""
+    n_docs = len(batch.doc_ids)
+    if grad_norms == "ghost":
+        from training.grad_norms import per_document_loss_and_grad_norm
+
+        stats = per_document_loss_and_grad_norm(model, batch.tokens, batch.targets, batch.loss_mask,
+                                                batch.doc_index, n_docs)
+        return stats.batch_loss.detach(), stats.loss.detach(), stats.grad_norm.detach(), stats.tokens
+    logits = model(batch.tokens)
+    loss, doc_loss, doc_tokens = per_document_losses(logits, batch.targets, batch.loss_mask, batch.doc_index, n_docs)
+    loss.backward()
+    return loss.detach(), doc_loss.detach(), None, doc_tokens
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, rows: TokenRows, params: TrainParams, device: torch.device) -> dict:
+    """Mean token loss and next-token accuracy on held-out rows."""
+    if len(rows) == 0:
+        return {"val_loss": None, "val_accuracy": None, "val_tokens": 0}
+    model.eval()
+    limit = len(rows) if params.eval_rows == 0 else min(len(rows), params.eval_rows)
+    loss_sum, correct, tokens = 0.0, 0, 0
+    for start in range(0, limit, params.batch_size):
+        batch = make_batch(rows, np.arange(start, min(limit, start + params.batch_size))).to(device)
+        with precision_context(params.precision, device):
+            logits = model(batch.tokens)
+        mask = batch.loss_mask
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none")
+        loss_sum += float((token_loss.view_as(mask) * mask).sum())
+        correct += int(((logits.argmax(-1) == batch.targets) & mask).sum())
+        tokens += int(mask.sum())
+    model.train()
+    return {"val_loss": loss_sum / tokens, "val_accuracy": correct / tokens, "val_tokens": tokens}
+
+
+# ------------------------------------------------------------------ run setup
+def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume: bool, overwrite: bool,
+                 allow_data_change: bool) -> Path | None:
+    """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is None:
+        if resume:
+            raise AssayError(f"--resume: {out} holds no checkpoint to resume from")
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+        _wipe(out)
+        return None
+    state = read_trainer_state(checkpoint)
+    same_data = state["data"]["data_hash"] == version.data_hash
+    same_config = state["config_fingerprint"] == config_fingerprint(params)
+    if resume:
+        if not same_data and not allow_data_change:
+            raise AssayError(
+                f"{out} was trained on data {state['data']['data_hash']} (rev {state['data']['rev']}), "
+                f"but {version.path} is now {version.data_hash}; pass --allow-data-change to continue anyway")
+        if state["model_args"] != dataclasses.asdict(params.model) or state["seq_len"] != params.seq_len:
+            raise AssayError(f"--resume: the model in {out} differs from params.train.model; "
+                             "restore the params or start again with --overwrite")
+        return checkpoint
+    if not overwrite:
+        raise AssayError(f"{out} holds a run (step {state['step']}); pass --resume to continue it "
+                         "or --overwrite to start again")
+    if same_data and same_config:
+        return checkpoint  # the same run, killed earlier: continue it rather than redo it
+    _wipe(out)
+    return None
+
+
+def _wipe(out: Path) -> None:
+    for name in ("checkpoints", "telemetry", "profile", "tokenizer.json", HISTORY_FILE, METRICS_FILE):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _read_history(out: Path, upto: int) -> list[dict]:
+    path = out / HISTORY_FILE
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= upto]
+
+
+def _write_history(out: Path, history: list[dict]) -> None:
+    atomic_write_bytes(out / HISTORY_FILE, "".join(json.dumps(r) + "\n" for r in history).encode())
+
+
+# ------------------------------------------------------------------- the run
+def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resume: bool = False,
+          overwrite: bool = False, allow_data_change: bool = False, device: str | None = None,
+          profile: bool = False, progress: bool = True, on_step: Callable[[dict], None] | None = None,
+          tokenizer: Tokenizer | None = None) -> TrainResult:
+    """Train (or continue) the run in ``out`` on ``version``; see the module docstring.
+
+    ``tokenizer``: use this one for a fresh run instead of learning one (benchmarks compare
+    configurations on one tokenizer); a resumed run always uses the run's own.
+    """
+    out = Path(out)
+    dev = pick_device(device or params.device)
+    checkpoint = _prepare_run(out, version, params, resume, overwrite, allow_data_change)
+    torch.manual_seed(params.seed)
+
+    if checkpoint is not None:
+        tokenizer = load_tokenizer(out)
+    else:
+        tokenizer = tokenizer or train_tokenizer(_tokenizer_texts(version, params), params.vocab_size)
+        save_tokenizer(tokenizer, out)
+    train_rows, held_rows = _rows(version, tokenizer, params)
+    if len(train_rows) == 0:
+        raise AssayError(f"{version.path} has no training text (after holding out {params.holdout:.0%})")
+
+    model = build_model(params, tokenizer.get_vocab_size(), dev)
+    optimizer = build_optimizer(model, params)
+    spikes = SpikeDetector(params.telemetry.spike_window, params.telemetry.spike_sigma,
+                           params.telemetry.spike_min_history)
+    rng = {"torch_rng": torch.get_rng_state()}
+    tensors = {**spikes.state_tensors(), **rng}
+
+    start, history = 0, []
+    telemetry = TelemetryLog(out)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, tensors)
+        torch.set_rng_state(tensors["torch_rng"])
+        start = state["step"]
+        history = _read_history(out, start)
+        telemetry.truncate_after(start)
+    if start >= params.steps and (out / METRICS_FILE).exists():
+        metrics = json.loads((out / METRICS_FILE).read_text())
+        return TrainResult(str(out), start, start, metrics)
+
+    identity = {"data": version.identity(), "config_fingerprint": config_fingerprint(params),
+                "model_args": dataclasses.asdict(params.model), "seq_len": params.seq_len,
+                "precision": params.precision, "device": str(dev)}
+
+    def checkpoint_now(step: int) -> None:
+        telemetry.flush()
+        _write_history(out, history)
+        tensors["torch_rng"] = torch.get_rng_state()
+        save_checkpoint(out, step, model, optimizer, tensors, identity)
+
+    profiler = _profiler(out) if profile else None
+    model.train()
+    tokens_seen, t0 = 0, time.perf_counter()
+    with _progress(progress, params.steps, start) as advance, (profiler or contextlib.nullcontext()):
+        for step in range(start + 1, params.steps + 1):
+            batch = make_batch(train_rows, batch_rows(len(train_rows), params.batch_size, step - 1, params.seed))
+            batch = batch.to(dev)
+            lr = learning_rate(step, params)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with precision_context(params.precision, dev):
+                loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, params.telemetry.grad_norms)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip))
+            loss_value = float(loss)
+            spike = spikes.check([loss_value, grad_norm])
+            reason = None
+            if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
+                reason = "skipped_step:non_finite"
+            elif spike[0]:
+                reason = "skipped_step:loss_spike"
+            elif spike[1]:
+                reason = "skipped_step:grad_norm_spike"
+            moe_load = None
+            if reason is None:
+                optimizer.step()
+                spikes.accept([loss_value, grad_norm])
+                # max/mean tokens per expert, worst layer: 1.0 is perfect balance.
+                moe_load = max((s["max_over_mean"] for s in model.update_moe_bias()), default=None)
+            else:
+                for moe in model.moe_layers():  # a skipped step's routing counts are dropped too
+                    moe.tokens_per_expert.zero_()
+            optimizer.zero_grad(set_to_none=True)
+
+            telemetry.add_step(step, batch.doc_ids, doc_loss.float().tolist(),
+                               None if doc_norm is None else doc_norm.float().tolist(),
+                               doc_tokens.tolist(), reason)
+            tokens_seen += batch.n_tokens
+            record = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                      "tokens": batch.n_tokens, "skipped": reason}
+            if moe_load is not None:
+                record["moe_max_over_mean"] = moe_load
+            history.append(record)
+            elapsed = time.perf_counter() - t0
+            advance(step, loss_value, lr, tokens_seen / max(elapsed, 1e-9))
+            if on_step is not None:
+                on_step(record)
+            if profiler is not None:
+                profiler.step()
+            if step % params.checkpoint_every == 0 or step == params.steps:
+                checkpoint_now(step)
+
+    metrics = {
+        "steps": params.steps,
+        "final_loss": history[-1]["loss"] if history else None,
+        # The mean of the last 10 steps: one batch's loss is a noisy summary.
+        "final_loss_mean10": float(np.mean([h["loss"] for h in history[-10:]])) if history else None,
+        "skipped_steps": sum(1 for h in history if h["skipped"]),
+        **evaluate(model, held_rows, params, dev),
+        "train_rows": len(train_rows), "train_tokens": train_rows.n_tokens,
+        "val_rows": len(held_rows), "vocab_size": tokenizer.get_vocab_size(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "precision": params.precision, "attention": params.model.attention, "ffn": params.model.ffn,
+        "device": str(dev), "data": version.identity(),
+        "resumed_from": start or None,
+    }
+    if model.moe_layers():
+        metrics["moe_bias_abs_max"] = max(float(m.expert_bias.abs().max()) for m in model.moe_layers())
+    atomic_write_json(out / METRICS_FILE, metrics)
+    return TrainResult(str(out), params.steps, start or None, metrics)
+
+
+def _profiler(out: Path) -> torch.profiler.profile:
+    """A trace of steps 3-5 (after the first steps' allocations settle), for chrome://tracing / Perfetto."""
+    trace_dir = out / "profile"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace_dir / "trace.json")),
+        record_shapes=True,
+    )
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, start: int):
+    """A rich bar with tokens/s, loss and the learning rate; a no-op when disabled."""
+    if not enabled:
+        yield lambda *args: None
+        return
+    import sys
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), console=Console(file=sys.stderr)) as bar:
+        task = bar.add_task("train", total=total, completed=start, info="")
+
+        def advance(step: int, loss: float, lr: float, tokens_per_s: float) -> None:
+            bar.update(task, completed=step,
+                       info=f"loss {loss:.3f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s")
+
+        yield advance
