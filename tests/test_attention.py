@@ -138,3 +138,129 @@ def test_bad_shapes_rejected():
     q, k, v = _qkv(N=8)
     with pytest.raises(ValueError):
         dynamic_sparse_attention(q, k[:, :, :4], v, window=4, block=4, topk=1)
+
+
+# --- The chunked kernel against a plain masked-softmax reference --------------------------
+
+
+def _masked_dense(q, k, v, window, block, topk):
+    """Dense attention under the N x N mask of the keys each query may see (the window plus
+    its query block's selected blocks); autograd differentiates it. O(N^2), tests only."""
+    B, H, N, D = q.shape
+    idx, valid = select_blocks(q, k, window=window, block=block, topk=topk)
+    nb = (N + block - 1) // block
+    chosen = torch.zeros(B, H, nb, nb, dtype=torch.int32)
+    chosen.scatter_add_(-1, idx, valid.int())  # invalid slots may repeat a real index
+    blk = torch.arange(N) // block
+    selected = chosen[:, :, blk][:, :, :, blk] > 0  # (B, H, N, N)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    allowed = selected | ((j <= i) & (i - j < window))
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _set_chunk(monkeypatch, *, N, window, block, topk, blocks_per_chunk):
+    """Make the CPU kernel work in chunks of ``blocks_per_chunk`` query blocks (more
+    than a head has: several heads per chunk). Test sizes then still span many chunks,
+    threads, and both masks (the early query blocks' own and the shared one)."""
+    from training import attention
+
+    nb = (N + block - 1) // block
+    w = attention._local_blocks(window, block, nb)
+    slots = w + (min(topk, nb) if nb > w else 0)
+    scores = blocks_per_chunk * block * slots * block
+    monkeypatch.setattr(attention, "_CPU_CHUNK_SCORES", scores)
+
+
+@pytest.mark.parametrize(
+    "B,H,N,D,window,block,topk",
+    [
+        (2, 3, 50, 8, 12, 8, 2),  # N not a multiple of block, B > 1 and H > 1
+        (1, 2, 64, 8, 9, 8, 20),  # topk larger than the blocks there are
+        (2, 2, 96, 16, 16, 16, 3),  # window a multiple of block
+        (1, 1, 40, 4, 1, 4, 0),  # window 1, no selection: each query sees itself only
+        (1, 2, 33, 8, 100, 8, 2),  # window covers everything
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("per_chunk", ["one block", "two heads"])
+def test_matches_masked_dense_forward_and_backward(
+    B, H, N, D, window, block, topk, threads, per_chunk, monkeypatch
+):
+    bpc = 1 if per_chunk == "one block" else 2 * ((N + block - 1) // block)
+    _set_chunk(
+        monkeypatch, N=N, window=window, block=block, topk=topk, blocks_per_chunk=bpc
+    )
+    q, k, v = _qkv(B=B, H=H, N=N, D=D, dtype=torch.float64, seed=5, grad=True)
+    g = torch.randn(
+        B, H, N, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6)
+    )
+    ref = _masked_dense(q, k, v, window, block, topk)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = dynamic_sparse_attention(q, k, v, window=window, block=block, topk=topk)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        assert torch.get_num_threads() == threads  # the kernel restores the setting
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("N,window,block,topk", [(30, 5, 4, 2), (16, 4, 4, 9)])
+def test_gradcheck_chunked_multihead(N, window, block, topk, monkeypatch):
+    _set_chunk(
+        monkeypatch, N=N, window=window, block=block, topk=topk, blocks_per_chunk=1
+    )
+    q, k, v = _qkv(B=2, H=2, N=N, D=4, dtype=torch.float64, seed=7, grad=True)
+    fn = lambda q, k, v: dynamic_sparse_attention(
+        q, k, v, window=window, block=block, topk=topk
+    )
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_gradients_reproducible_across_runs(monkeypatch):
+    # Threads pull work dynamically, but each head's key gradients are summed by one
+    # thread in a fixed order, so repeated runs agree bit for bit.
+    _set_chunk(monkeypatch, N=200, window=24, block=8, topk=3, blocks_per_chunk=2)
+    q, k, v = _qkv(B=2, H=2, N=200, D=8, seed=8, grad=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(3):
+            out = dynamic_sparse_attention(q, k, v, window=24, block=8, topk=3)
+            runs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    finally:
+        torch.set_num_threads(before)
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs():
+    # The model passes q, k, v as (B, H, N, D) transposes of (B, N, H, D) projections.
+    q, k, v = (t.transpose(1, 2) for t in _qkv(B=2, H=40, N=4, D=8, seed=9))
+    assert not q.is_contiguous()
+    out = dynamic_sparse_attention(q, k, v, window=6, block=8, topk=2)
+    ref = dynamic_sparse_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), window=6, block=8, topk=2
+    )
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_autocast_bfloat16_runs_and_tracks_float32():
+    q, k, v = _qkv(B=1, H=2, N=96, D=16, seed=10, grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dynamic_sparse_attention(q, k, v, window=16, block=8, topk=2)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert all(
+        t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all()
+        for t in (q, k, v)
+    )
+    ref = dynamic_sparse_attention(q, k, v, window=16, block=8, topk=2)
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)

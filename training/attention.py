@@ -1,4 +1,4 @@
-"""Dynamic sparse causal attention (NSA / DSA style) with a real CPU backward.
+"""Dynamic sparse causal attention (NSA / DSA style) with a hand-written, chunked backward.
 
 Each query attends to
 
@@ -16,10 +16,24 @@ For query block ``j`` the local part is the ``W`` key blocks ending at ``j``
 (``W = ceil((window - 1) / block) + 1``), masked per query to the exact window;
 the candidate blocks are ``b <= j - W``, which end before the first query's
 window starts, so a selected key can never also be a local key (no double
-counting). Everything is unfold / index_select + batched matmuls on score tensors of
-shape ``(B * H * nQB, block, (W + topk) * block)``: the cost is linear in ``N`` for fixed
-``window``, ``block`` and ``topk``, and no ``N x N`` matrix is built (except for the
-block score matrix ``nQB x nKB``, which is ``N^2 / block^2``, small).
+counting).
+
+So every query block attends to a short list of ``topk + W`` key blocks, its
+*block table*, under a fixed additive mask. ``_BlockTableAttention`` computes
+that the way FlashAttention does: the forward keeps only its output, the
+backward recomputes the probabilities chunk by chunk. A chunk is a few query
+blocks whose scores fit in a core's cache: its keys and values are gathered
+with one ``index_select`` and their gradients returned with one ``index_add_``.
+Plain autograd over bmm + softmax + bmm instead saved the gathered keys, the
+scores and the probabilities for the whole sequence and was memory bound.
+
+On CPU the chunks are spread over ``torch.get_num_threads()`` Python threads
+that each run single-threaded torch ops (torch releases the GIL inside them).
+Many small ops each split over all cores pay a fork/join barrier apiece, and on
+a busy machine every barrier waits for the slowest core; independent chunks
+pulled from a shared queue do not. The cost is linear in ``N`` for fixed
+``window``, ``block`` and ``topk``; no ``N x N`` matrix is built (except the
+block score matrix ``nQB x nKB`` of the selection, ``N^2 / block^2``, small).
 
 ``N`` need not be a multiple of ``block``: the sequence is zero-padded
 internally; padded keys sit after every real query, so causality hides them.
@@ -27,12 +41,22 @@ internally; padded keys sit after every real query, so causality hides them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["dense_causal_attention", "dynamic_sparse_attention", "select_blocks"]
+
+# Score elements per chunk. On CPU one chunk's scores (2 MiB in fp32) stay in a core's
+# L2 through the softmax and its gradient; accelerators want few, large launches.
+_CPU_CHUNK_SCORES = 1 << 19
+_ACCEL_CHUNK_SCORES = 1 << 24
 
 
 def dense_causal_attention(
@@ -82,6 +106,201 @@ def select_blocks(
     return idx, valid
 
 
+def _score_bias(
+    rows: torch.Tensor, *, window: int, block: int, w: int, kk: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive mask (0 or -inf) of query blocks ``rows``: (len(rows), block, L).
+
+    Its L = (kk + w) * block keys are laid out as in the block table: ``kk`` selected
+    blocks, then the ``w`` local blocks ``j - w + 1 .. j``. Selected slot ``s`` is real
+    iff ``s`` is below the number of candidates ``j - w + 1`` (topk puts non-candidates
+    last); a local key must exist (block >= 0) and lie in the query's causal window.
+    """
+    dev = rows.device
+    n = rows.numel()
+    n_cand = (rows - w + 1).clamp(min=0, max=kk)
+    sel_ok = torch.arange(kk, device=dev)[None, :] < n_cand[:, None]  # (n, kk)
+    sel_ok = sel_ok[:, None, :, None].expand(n, block, kk, block)
+    # Local keys: query offset a in its block, key offset c in the w-block span.
+    a = torch.arange(block, device=dev)[None, :, None]
+    c = torch.arange(w * block, device=dev)[None, None, :]
+    dist = (w - 1) * block + a - c  # query position minus key position
+    exists = (rows[:, None, None] - (w - 1)) * block + c >= 0
+    loc_ok = exists & (dist >= 0) & (dist < window)  # (n, block, w * block)
+    ok = torch.cat([sel_ok.reshape(n, block, kk * block), loc_ok], dim=-1)
+    bias = torch.zeros(ok.shape, dtype=dtype, device=dev)
+    return bias.masked_fill_(~ok, float("-inf"))
+
+
+def _masked_column_runs(bias: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal [start, stop) column ranges of a (1, block, L) bias that mask anything."""
+    masked = (bias[0] != 0).any(0).tolist()
+    runs: list[tuple[int, int]] = []
+    for col, m in enumerate(masked):
+        if m and runs and runs[-1][1] == col:
+            runs[-1] = (runs[-1][0], col + 1)
+        elif m:
+            runs.append((col, col + 1))
+    return runs
+
+
+class _Mask:
+    """The additive score mask of every query block, stored compactly.
+
+    Query blocks ``0 .. len(head) - 1`` (front padding, missing candidates) get their own
+    slice of ``head``; every later block shares ``rest`` (1, block, L), which only masks
+    the ragged edges of the window, so it is added on those column runs alone.
+    """
+
+    def __init__(self, head: torch.Tensor, rest: torch.Tensor):
+        self.head, self.rest = head, rest
+        self.rest_runs = _masked_column_runs(rest)
+
+    def add_(self, scores: torch.Tensor, js: slice) -> None:
+        """Mask ``scores`` (groups, query blocks ``js``, block, L) in place."""
+        if js.start < self.head.shape[0]:
+            scores.add_(self.head[js])
+        else:
+            for a, b in self.rest_runs:
+                scores[..., a:b] += self.rest[..., a:b]
+
+
+Chunk = tuple[slice, slice]  # (group slice, query-block slice)
+
+
+def _chunks(groups: int, nb: int, blocks_per_chunk: int) -> list[list[Chunk]]:
+    """Chunks covering the (groups, nb) grid of query blocks, one list per group slice:
+    chunks in different lists read and write disjoint key rows."""
+    nj = min(nb, blocks_per_chunk)
+    ng = max(1, blocks_per_chunk // nb)  # short sequences: several heads per chunk
+    return [
+        [
+            (slice(g0, min(groups, g0 + ng)), slice(j0, min(nb, j0 + nj)))
+            for j0 in range(0, nb, nj)
+        ]
+        for g0 in range(0, groups, ng)
+    ]
+
+
+def _no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _run_parallel(work: Callable, items: list, device_type: str) -> None:
+    """Call ``work(item)`` for every item, on up to ``torch.get_num_threads()`` threads.
+
+    On CPU, with more than one thread and item, each thread pulls the next item when it
+    is done with one, so a thread the OS preempts just does fewer items. Torch runs
+    single-threaded meanwhile: the setting is process-wide, and restored afterwards.
+    Grad mode and autocast are thread-local: the work runs with both off in every thread.
+    """
+
+    def loop(queue: Iterator, lock: threading.Lock) -> None:
+        with torch.no_grad(), _no_autocast(device_type):
+            while True:
+                with lock:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                work(item)
+
+    threads = torch.get_num_threads()
+    workers = min(threads, len(items)) if device_type == "cpu" else 1
+    if workers <= 1:
+        loop(iter(items), threading.Lock())
+        return
+    torch.set_num_threads(1)
+    try:
+        queue, lock = iter(items), threading.Lock()
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(loop, queue, lock) for _ in range(workers)]:
+                f.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gather(q, k, v, rows, chunk: Chunk):
+    """One chunk: its queries (C, block, D), keys and values (C, L, D), and the flat
+    key-block rows those came from (where their gradients go back to)."""
+    G, nb, block, D = q.shape
+    gs, js = chunk
+    r = rows[gs, js].reshape(-1)
+    q_c = q[gs, js].reshape(-1, block, D)
+    k_c = k.view(G * nb, block * D).index_select(0, r).view(q_c.shape[0], -1, D)
+    v_c = v.view(G * nb, block * D).index_select(0, r).view(q_c.shape[0], -1, D)
+    return q_c, k_c, v_c, r
+
+
+def _scores(q_c, k_c, mask: _Mask, chunk: Chunk) -> torch.Tensor:
+    """Masked scores (C, block, L) of one chunk."""
+    gs, js = chunk
+    s = torch.bmm(q_c, k_c.mT)
+    mask.add_(s.view(gs.stop - gs.start, js.stop - js.start, *s.shape[1:]), js)
+    return s
+
+
+class _BlockTableAttention(torch.autograd.Function):
+    """Softmax attention of each query block over the key blocks its table lists.
+
+    ``q, k, v`` are (G, nb, block, D) with G = batch * heads; ``rows`` (G, nb, S) holds,
+    per query block, the rows of ``k.view(G * nb, block * D)`` it attends to (table plus
+    group offset), and ``mask`` its additive mask over those L = S * block keys.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rows, mask, scale, blocks_per_chunk):
+        G, nb = q.shape[:2]
+        q = q * scale  # folded in once: d(scores)/dk is then simply this q
+        out = torch.empty_like(q)
+
+        def work(chunk: Chunk) -> None:
+            q_c, k_c, v_c, _ = _gather(q, k, v, rows, chunk)
+            p = torch.softmax(_scores(q_c, k_c, mask, chunk), dim=-1)
+            torch.bmm(p, v_c, out=out[chunk].view(q_c.shape))
+
+        # Chunks write disjoint rows of out: any order, any thread.
+        chunks = [c for row in _chunks(G, nb, blocks_per_chunk) for c in row]
+        _run_parallel(work, chunks, q.device.type)
+        ctx.save_for_backward(q, k, v, rows, out)
+        ctx.mask, ctx.scale, ctx.blocks_per_chunk = mask, scale, blocks_per_chunk
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, rows, out = ctx.saved_tensors
+        G, nb, block, D = q.shape
+        d_out = d_out.contiguous()
+        # Key gradients sum over many query blocks (block 0 over all of them): accumulate
+        # them, and the softmax row sums, in at least fp32.
+        acc = torch.promote_types(k.dtype, torch.float32)
+        # Softmax Jacobian: dS = P * (dP - delta), delta = rowsum(dP * P) = rowsum(dO * O).
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1, keepdim=True)
+        dq = torch.empty_like(q)
+        dk = torch.zeros(G * nb, block * D, dtype=acc, device=k.device)
+        dv = torch.zeros_like(dk)
+
+        def work(chunks: list[Chunk]) -> None:
+            for chunk in chunks:
+                q_c, k_c, v_c, r = _gather(q, k, v, rows, chunk)
+                do = d_out[chunk].view(q_c.shape)
+                p = torch.softmax(_scores(q_c, k_c, ctx.mask, chunk), dim=-1)
+                dv.index_add_(0, r, torch.bmm(p.mT, do).view(r.numel(), -1).to(acc))
+                ds = torch.bmm(do, v_c.mT)
+                ds.sub_(delta[chunk].view(-1, block, 1)).mul_(p)
+                torch.bmm(ds, k_c, out=dq[chunk].view(q_c.shape))
+                # q is pre-scaled, so this already is d(loss)/dk.
+                dk.index_add_(0, r, torch.bmm(ds.mT, q_c).view(r.numel(), -1).to(acc))
+
+        # One work item per group slice: items never add to the same key rows (no races),
+        # and each row sums its terms in a fixed order (bitwise reproducible gradients).
+        _run_parallel(work, _chunks(G, nb, ctx.blocks_per_chunk), q.device.type)
+        dk, dv = dk.to(k.dtype).view_as(k), dv.to(v.dtype).view_as(v)
+        return dq.mul_(ctx.scale), dk, dv, None, None, None, None
+
+
 def dynamic_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,82 +317,46 @@ def dynamic_sparse_attention(
         )
     if window < 1 or block < 1 or topk < 0:
         raise ValueError("window and block must be >= 1 and topk >= 0")
+    dev, kind = q.device, q.device.type
+    # Like SDPA, compute in the autocast dtype when autocast is on; the kernel itself runs
+    # with autocast off, so it keeps the dtypes chosen here.
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        dt = torch.get_autocast_dtype(kind)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     B, H, N, D = q.shape
+    G = B * H
     nb = (N + block - 1) // block
     pad = nb * block - N
-    dev = q.device
     w = _local_blocks(window, block, nb)
     kk = min(topk, nb) if nb > w else 0  # no candidates at all when w covers everything
 
-    idx = None
+    # Block table: kk selected blocks, then the w local blocks j - w + 1 .. j (clamped
+    # at 0; the mask hides those slots).
+    j = torch.arange(nb, device=dev)
+    local = (j[:, None] - (w - 1) + torch.arange(w, device=dev)).clamp(min=0)
+    table = local.expand(G, nb, w)
     if kk:
         idx, _ = select_blocks(
             q.detach(), k.detach(), window=window, block=block, topk=kk
         )
+        table = torch.cat([idx.reshape(G, nb, kk), table], dim=-1)
+    rows = table + torch.arange(G, device=dev)[:, None, None] * nb
+
+    chunk_scores = _CPU_CHUNK_SCORES if kind == "cpu" else _ACCEL_CHUNK_SCORES
+    blocks_per_chunk = max(1, chunk_scores // (block * (kk + w) * block))
+    # Only the first w - 1 + kk query blocks see front padding or missing candidates;
+    # round up to whole chunks so that a chunk needs just one of the two masks.
+    height = min(nb, blocks_per_chunk)
+    n_head = min(nb, -(-(w - 1 + kk) // height) * height)
+    bias = functools.partial(
+        _score_bias, window=window, block=block, w=w, kk=kk, dtype=q.dtype
+    )
+    mask = _Mask(bias(j[:n_head]), bias(torch.tensor([w - 1 + kk], device=dev)))
 
     if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-        k = F.pad(k, (0, 0, 0, pad))
-        v = F.pad(v, (0, 0, 0, pad))
-    qb = q.reshape(B * H, nb, block, D)
-
-    # Local part: key blocks j-w+1 .. j of the front-padded keys, via one unfold (a
-    # strided view with a single-op backward; fancy indexing's backward is far slower).
-    def local(x: torch.Tensor) -> torch.Tensor:
-        xp = F.pad(x, (0, 0, (w - 1) * block, 0)).view(B * H, nb + w - 1, block * D)
-        win = xp.unfold(1, w, 1)  # (BH, nb, block*D, w), a strided view
-        return win.transpose(2, 3).reshape(B * H, nb, w * block, D)
-
-    k_loc, v_loc = local(k), local(v)
-    jq = torch.arange(nb, device=dev)
-    ar = torch.arange(block, device=dev)
-    q_pos = jq[:, None] * block + ar  # (nQB, block)
-    l_pos = (jq[:, None] - (w - 1)) * block + torch.arange(
-        w * block, device=dev
-    )  # (nQB, w*block)
-    diff = q_pos[:, :, None] - l_pos[:, None, :]
-    # l_pos < 0 are the front padding; they fall outside every window or are masked here.
-    mask = (
-        (l_pos[:, None, :] >= 0) & (diff >= 0) & (diff < window)
-    )  # (nQB, block, w*block)
-
-    if kk:
-        # Selected part: the chosen blocks lie wholly before every local window of the
-        # query block, so they are causal and disjoint from it. The number of valid slots
-        # depends on the query block only (candidates are the same for every batch/head
-        # and topk puts the -inf non-candidates last), so one mask serves all.
-        n_valid = (jq - w + 1).clamp(min=0, max=kk)  # (nQB,)
-        s_ok = torch.arange(kk, device=dev)[None, :] < n_valid[:, None]  # (nQB, kk)
-        base = torch.arange(B * H, device=dev)[:, None, None] * nb
-        flat = (idx.reshape(B * H, nb, kk) + base).reshape(-1)
-        k_sel = (
-            k.reshape(B * H * nb, block * D)
-            .index_select(0, flat)
-            .view(B * H, nb, kk * block, D)
-        )
-        v_sel = (
-            v.reshape(B * H * nb, block * D)
-            .index_select(0, flat)
-            .view(B * H, nb, kk * block, D)
-        )
-        s_ok = (
-            s_ok[:, None, :, None]
-            .expand(nb, block, kk, block)
-            .reshape(nb, block, kk * block)
-        )
-        keys = torch.cat([k_sel, k_loc], dim=2)
-        vals = torch.cat([v_sel, v_loc], dim=2)
-        mask = torch.cat([s_ok, mask], dim=2)
-    else:
-        keys, vals = k_loc, v_loc
-
-    kc = keys.shape[2]
-    scores = torch.bmm(
-        (qb * (1.0 / math.sqrt(D))).reshape(B * H * nb, block, D),
-        keys.reshape(B * H * nb, kc, D).transpose(1, 2),
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    q, k, v = (t.reshape(G, nb, block, D).contiguous() for t in (q, k, v))
+    out = _BlockTableAttention.apply(
+        q, k, v, rows, mask, 1.0 / math.sqrt(D), blocks_per_chunk
     )
-    # In place is safe: bmm's backward needs only its inputs. Every row keeps at least
-    # its own key, so no row is fully masked.
-    scores.view(B * H, nb, block, kc).masked_fill_(~mask, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), vals.reshape(B * H * nb, kc, D))
     return out.reshape(B, H, nb * block, D)[:, :, :N]
