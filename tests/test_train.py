@@ -328,3 +328,12 @@ def test_training_reads_the_version_committed_at_a_rev(tmp_path):
         train(new, tmp_path / "run", params, resume=True, progress=False)
     continued = train(new, tmp_path / "run", params, resume=True, allow_data_change=True, progress=False)
     assert continued.resumed_from == 2 and continued.metrics["data"]["data_hash"] == new.data_hash
+
+
+def test_train_flow_runs_under_the_prefect_harness(prefect_harness, stdlib_data, tmp_path):
+    from flows.train import train_flow
+
+    params_file = _params_file(tmp_path, tiny_params(steps=5))
+    metrics = train_flow(str(stdlib_data), str(tmp_path / "run"), steps=3, device="cpu", params_file=str(params_file))
+    assert metrics["steps"] == 3 and len(_history(tmp_path / "run")) == 3
+    assert metrics["data"]["path"] == str(stdlib_data)
