@@ -337,3 +337,16 @@ def test_train_flow_runs_under_the_prefect_harness(prefect_harness, stdlib_data,
     metrics = train_flow(str(stdlib_data), str(tmp_path / "run"), steps=3, device="cpu", params_file=str(params_file))
     assert metrics["steps"] == 3 and len(_history(tmp_path / "run")) == 3
     assert metrics["data"]["path"] == str(stdlib_data)
+
+
+def test_losses_only_telemetry_agrees_with_the_ghost_path(stdlib_data, tmp_path):
+    ghost = train(open_version(stdlib_data), tmp_path / "ghost", tiny_params(steps=2), progress=False)
+    off = train(open_version(stdlib_data), tmp_path / "off",
+                tiny_params(steps=2, telemetry=TrainTelemetryParams(grad_norms="off", spike_min_history=20)),
+                progress=False)
+    with_norms, without = read_telemetry(tmp_path / "ghost").to_pylist(), read_telemetry(tmp_path / "off").to_pylist()
+    assert [r["sample_id"] for r in with_norms] == [r["sample_id"] for r in without]
+    assert all(r["grad_norm"] is None for r in without)
+    step1 = [(a["loss"], b["loss"]) for a, b in zip(with_norms, without) if a["step"] == 1]
+    np.testing.assert_allclose(*zip(*step1), rtol=1e-5)  # same model, same batch: same per-document losses
+    assert ghost.metrics["steps"] == off.metrics["steps"] == 2
