@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from assay.config import TrainModelParams, TrainParams  # noqa: E402
 from assay.versions import open_version  # noqa: E402
 from training.tokenizer import train_tokenizer  # noqa: E402
-from training.trainer import _tokenizer_texts, train  # noqa: E402
+from training.trainer import tokenizer_texts, train  # noqa: E402
 
 
 def configurations(args) -> dict[str, TrainParams]:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
           f"block {args.block}, top-{args.topk}; {args.threads} threads")
 
     # One tokenizer for all, so losses are comparable; each run starts from a copy of it.
-    tokenizer = train_tokenizer(_tokenizer_texts(version, configs["dense"]), args.vocab)
+    tokenizer = train_tokenizer(tokenizer_texts(version, configs["dense"]), args.vocab)
     results = {}
     header = f"{'config':8} {'val acc':>8} {'val loss':>9} {'loss@end':>9} {'tok/s':>8} {'seconds':>8}"
     print(header)

@@ -96,6 +96,7 @@ __all__ = [
     "per_document_grad_norms_functional",
     "per_document_grad_norms_reference",
     "per_document_loss_and_grad_norm",
+    "token_losses",
 ]
 
 Method = Literal["auto", "ghost", "materialise"]
@@ -116,7 +117,7 @@ class DocumentStats:
 
 
 # ----------------------------------------------------------------------------- losses
-def _token_losses(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, N) cross-entropy, 0 at masked positions (whatever their target holds)."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()  # the softmax of a large vocabulary wants fp32
@@ -432,7 +433,7 @@ def per_document_loss_and_grad_norm(
             stacklevel=2,
         )
         stats = per_document_grad_norms_reference(model, tokens, targets, loss_mask, doc_index, n_docs)
-        loss = _token_losses(model(tokens), targets, mask).sum() / n_total
+        loss = token_losses(model(tokens), targets, mask).sum() / n_total
         (loss * loss_scale).backward()
         stats.batch_loss = loss.detach()
         return stats
@@ -441,7 +442,7 @@ def per_document_loss_and_grad_norm(
     with _ghost_norm_hooks(plan, rows, method) as ghost:
         logits = model(tokens)
         ghost.capturing = False
-        token_loss = _token_losses(logits, targets, mask)
+        token_loss = token_losses(logits, targets, mask)
         loss = token_loss.sum() / n_total
         (loss * loss_scale).backward()
     sq_norms = ghost.sq_norms
@@ -503,7 +504,7 @@ def per_document_grad_norms_reference(
     loss = torch.full((n_docs,), float("nan"), dtype=torch.float64, device=tokens.device)
     grad_norm = loss.clone()
     with _preserved_state(model):
-        token_loss = _token_losses(model(tokens), targets, mask)
+        token_loss = token_losses(model(tokens), targets, mask)
         docs = [d for d in range(n_docs) if doc_tokens[d] > 0]
         for i, d in enumerate(docs):
             loss_d = token_loss[doc_index == d].sum() / doc_tokens[d]

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
@@ -43,6 +42,7 @@ from assay.shards import atomic_write_bytes, atomic_write_json
 from assay.versions import DatasetVersion
 from training.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
 from training.data import TokenRows, batch_rows, build_rows, is_holdout, make_batch
+from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.spikes import SpikeDetector
 from training.telemetry import TelemetryLog
@@ -76,7 +76,8 @@ def _split_docs(version: DatasetVersion, holdout: float, batch_rows_: int = 1024
                 yield doc_id, text, is_holdout(doc_id, holdout)
 
 
-def _tokenizer_texts(version: DatasetVersion, params: TrainParams) -> Iterator[str]:
+def tokenizer_texts(version: DatasetVersion, params: TrainParams) -> Iterator[str]:
+    """Training-split texts, up to params.tokenizer_chars characters in all, for the BPE to learn from."""
     budget = params.tokenizer_chars
     for _, text, held in _split_docs(version, params.holdout):
         if held:
@@ -140,8 +141,7 @@ def precision_context(precision: str, device: torch.device) -> contextlib.Abstra
 def per_document_losses(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor,
                         doc_index: torch.Tensor, n_docs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(batch mean loss, per-document mean loss (n_docs,), per-document tokens (n_docs,))."""
-    token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-    token_loss = token_loss.view_as(targets) * loss_mask
+    token_loss = token_losses(logits, targets, loss_mask)
     row_sum, row_tokens = token_loss.sum(1), loss_mask.sum(1)
     doc_sum = torch.zeros(n_docs, device=logits.device).index_add_(0, doc_index, row_sum)
     doc_tokens = torch.zeros(n_docs, device=logits.device, dtype=torch.long).index_add_(0, doc_index, row_tokens)
@@ -153,8 +153,6 @@ def forward_backward(model: Transformer, batch, grad_norms: str):
     """Run one forward and backward; returns (loss, doc losses, doc grad norms or None, doc tokens)."""
     n_docs = len(batch.doc_ids)
     if grad_norms == "ghost":
-        from training.grad_norms import per_document_loss_and_grad_norm
-
         stats = per_document_loss_and_grad_norm(model, batch.tokens, batch.targets, batch.loss_mask,
                                                 batch.doc_index, n_docs)
         return stats.batch_loss.detach(), stats.loss.detach(), stats.grad_norm.detach(), stats.tokens
@@ -177,8 +175,7 @@ def evaluate(model: Transformer, rows: TokenRows, params: TrainParams, device: t
         with precision_context(params.precision, device):
             logits = model(batch.tokens)
         mask = batch.loss_mask
-        token_loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="none")
-        loss_sum += float((token_loss.view_as(mask) * mask).sum())
+        loss_sum += float(token_losses(logits, batch.targets, mask).sum())
         correct += int(((logits.argmax(-1) == batch.targets) & mask).sum())
         tokens += int(mask.sum())
     model.train()
@@ -258,7 +255,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
     if checkpoint is not None:
         tokenizer = load_tokenizer(out)
     else:
-        tokenizer = tokenizer or train_tokenizer(_tokenizer_texts(version, params), params.vocab_size)
+        tokenizer = tokenizer or train_tokenizer(tokenizer_texts(version, params), params.vocab_size)
         save_tokenizer(tokenizer, out)
     train_rows, held_rows = _rows(version, tokenizer, params)
     if len(train_rows) == 0:
