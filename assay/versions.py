@@ -7,8 +7,9 @@ that v3 committed, whatever the workspace holds now.
 
 The hash is what a checkpoint records: a resume against other data is refused
 (``--allow-data-change`` overrides). A directory that DVC does not track is
-read from disk, and its "hash" is a digest of its manifest and shard sizes, so
-a plain directory still trains, and changing it still trips the check.
+read from disk, and its "hash" is a digest of its manifest and every shard's
+bytes, so a plain directory still trains, and any edit to it, even one that
+keeps every size, still trips the check.
 """
 
 from __future__ import annotations
@@ -64,14 +65,25 @@ def _dvc_root(path: Path) -> Path | None:
     return None
 
 
+_HASH_CHUNK = 1 << 20
+
+
 def _untracked_digest(directory: Path, shards: list[str]) -> str:
-    """A stand-in for DVC's hash on a directory DVC does not track."""
+    """A stand-in for DVC's hash on a directory DVC does not track.
+
+    Contents, not sizes or mtimes: an edit that keeps a shard's size must still
+    change the identity, and a copy of the same data must keep it. Reading every
+    byte once is what DVC's own md5 costs too.
+    """
     digest = hashlib.blake2b(digest_size=16)
     manifest = directory / MANIFEST
     if manifest.exists():
         digest.update(manifest.read_bytes())
     for name in shards:
         digest.update(f"{name}\0{(directory / name).stat().st_size}\0".encode())
+        with open(directory / name, "rb") as handle:
+            while chunk := handle.read(_HASH_CHUNK):
+                digest.update(chunk)
     return "local-" + digest.hexdigest()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -279,44 +278,3 @@ def test_planted_outlier_has_largest_grad_norm():
     others = stats.grad_norm[[0, 1, 3, 4]]
     assert stats.grad_norm[2] > 10 * others.max()
     assert int(stats.loss.argmax()) == 2
-
-
-def test_overhead_report(capsys):
-    """Measured, not asserted: ghost norms vs a plain forward + backward.
-
-    One intra-op thread and CPU time (process_time), so that other jobs on a shared
-    machine inflate neither number; wall time is printed too."""
-    vocab = 2048
-    args = ModelArgs(vocab_size=vocab, dim=256, n_layers=4, n_heads=4, ffn_hidden=688, max_seq_len=256)
-    model = Transformer(args)
-    model.init_weights(0)
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, vocab, (8, 257), generator=g)
-    tokens, targets = seq[:, :-1], seq[:, 1:]
-    mask = torch.ones(8, 256, dtype=torch.bool)
-    doc_index = torch.tensor([0, 0, 1, 2, 3, 4, 5, 6])
-
-    def plain():
-        F.cross_entropy(model(tokens).reshape(-1, vocab), targets.reshape(-1)).backward()
-
-    def ghost():
-        per_document_loss_and_grad_norm(model, tokens, targets, mask, doc_index, 7)
-
-    cpu: dict[str, list[float]] = {"plain": [], "ghost": []}
-    wall: dict[str, list[float]] = {"plain": [], "ghost": []}
-    for f in (plain, ghost):
-        f()  # warm-up
-    for _ in range(2):  # interleaved, so drifting background load hits both alike
-        for name, f in (("plain", plain), ("ghost", ghost)):
-            c0, w0 = time.process_time(), time.perf_counter()
-            f()
-            cpu[name].append(time.process_time() - c0)
-            wall[name].append(time.perf_counter() - w0)
-    p_cpu, g_cpu = min(cpu["plain"]), min(cpu["ghost"])
-    p_wall, g_wall = min(wall["plain"]), min(wall["ghost"])
-    with capsys.disabled():
-        print(
-            f"\n[grad_norms overhead] dim 256, 4 layers, vocab {vocab}, B=8, N=256, 1 thread: "
-            f"plain fwd+bwd {p_cpu:.2f} CPU-s ({p_wall:.2f} s wall), with per-document norms "
-            f"{g_cpu:.2f} CPU-s ({g_wall:.2f} s wall): {g_cpu / p_cpu:.2f}x CPU"
-        )

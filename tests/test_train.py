@@ -330,6 +330,19 @@ def test_training_reads_the_version_committed_at_a_rev(tmp_path):
     assert continued.resumed_from == 2 and continued.metrics["data"]["data_hash"] == new.data_hash
 
 
+def test_an_untracked_edit_that_keeps_every_size_changes_the_identity(tmp_path):
+    data = write_documents(tmp_path / "ds", stdlib_documents(4), source="v1")
+    before = open_version(data)
+    copy = shutil.copytree(data, tmp_path / "copy")
+    assert open_version(copy).data_hash == before.data_hash  # same bytes, same identity
+    shard = sorted(data.glob("part-*.parquet"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one byte flipped: same size, same name, same manifest
+    shard.write_bytes(bytes(raw))
+    after = open_version(data)
+    assert not after.tracked and after.data_hash != before.data_hash
+
+
 def test_train_flow_runs_under_the_prefect_harness(prefect_harness, stdlib_data, tmp_path):
     from flows.train import train_flow
 

@@ -62,8 +62,9 @@ DEFAULT_HTTP_PORT = 8080
 DEFAULT_GRPC_PORT = 50051
 #: Records buffered per upsert round (objects are sent in batches of batch_size).
 ROUND = 5000
-#: Page size for filtered fetches (offset paging; Weaviate caps offset+limit at
-#: QUERY_MAXIMUM_RESULTS, 10,000 by default).
+#: Page size for fetches. A filtered fetch that fills one page is not paged on by
+#: offset (Weaviate caps offset + limit at QUERY_MAXIMUM_RESULTS, 10,000 by default,
+#: and would silently stop there) but redone as a cursor scan (``after=``).
 PAGE = 1000
 RETRIES = 3
 
@@ -517,21 +518,39 @@ class WeaviateVectorStore(VectorStore):
             **record_from_properties(obj.properties),
         )
 
-    def _fetch_all(self, collection, filters, properties: list[str]) -> list[dict[str, Any]]:
-        rows: list[dict[str, Any]] = []
-        offset = 0
-        while True:
-            try:
-                page = collection.query.fetch_objects(filters=filters, limit=PAGE, offset=offset, return_properties=properties)
-            except Exception as exc:
-                raise AssayError(f"Weaviate query on {collection.name} failed at offset {offset}: {str(exc).splitlines()[0][:300]}") from None
-            rows.extend(o.properties for o in page.objects)
+    def _referrers(self, where, link_on: str, ref_property: str, value: str) -> list[str]:
+        """doc_id of every Document matching ``where``: its ``link_on`` reference has ``ref_property == value``.
+
+        One filtered query answers the usual case, a result smaller than a page.
+        A full page may have more behind it; offset paging would stop silently at
+        QUERY_MAXIMUM_RESULTS, and Weaviate's cursor (``after=``) takes no filter,
+        so the answer then comes from a cursor scan of the collection with the same
+        test applied here: slower, never truncated.
+        """
+        from weaviate.classes.query import QueryReference
+
+        collection = self.documents
+        try:
+            page = collection.query.fetch_objects(filters=where, limit=PAGE, return_properties=["doc_id"])
             if len(page.objects) < PAGE:
-                return rows
-            offset += PAGE
+                return [o.properties["doc_id"] for o in page.objects]
+            found = []
+            for obj in collection.iterator(
+                return_properties=["doc_id"],
+                return_references=QueryReference(link_on=link_on, return_properties=[ref_property]),
+                cache_size=PAGE,
+            ):
+                if any(ref.properties.get(ref_property) == value for ref in _ref_objects(obj, link_on)):
+                    found.append(obj.properties["doc_id"])
+            return found
+        except AssayError:
+            raise
+        except Exception as exc:
+            raise AssayError(f"Weaviate query on {collection.name} ({link_on}.{ref_property} = {value!r}) failed: "
+                             f"{str(exc).splitlines()[0][:300]}") from None
 
     def cluster_members(self, cluster_id: str) -> list[str]:
-        return sorted(p["doc_id"] for p in self._fetch_all(self.documents, member_filter(cluster_id), ["doc_id"]))
+        return sorted(self._referrers(member_filter(cluster_id), "inCluster", "cluster_id", cluster_id))
 
     def get_cluster(self, cluster_id: str) -> ClusterRecord | None:
         obj = self.clusters.query.fetch_object_by_id(object_uuid("Cluster", cluster_id))
@@ -556,7 +575,7 @@ class WeaviateVectorStore(VectorStore):
         return [found[c] for c in sorted(found)]
 
     def duplicates_of(self, doc_id: str) -> list[str]:
-        return sorted(p["doc_id"] for p in self._fetch_all(self.documents, duplicate_filter(doc_id), ["doc_id"]))
+        return sorted(self._referrers(duplicate_filter(doc_id), "duplicateOf", "doc_id", doc_id))
 
     def source_overlap(self) -> list[tuple[str, str, int]]:
         """A full scan of Document (source and inCluster ids), aggregated here."""

@@ -182,6 +182,24 @@ def test_graph_queries(graph):
         assert graph.cluster_members(cluster_id) == sorted(doc_id(m) for m in members)
 
 
+def test_a_cluster_larger_than_a_query_page_is_returned_whole(store):
+    """Weaviate answers a filtered query a page at a time and stops paging by
+    offset at QUERY_MAXIMUM_RESULTS; a big cluster must still come back whole."""
+    from assay.vectors.weaviate_store import PAGE
+
+    n = PAGE + 150
+    vectors = unit_vectors(n, seed=5)
+    members = [f"big-{i:05d}" for i in range(n)]
+    store.upsert_documents([
+        DocumentRecord(m, vectors[i], source="web", status="near_dup" if i else "kept", clusters=["big"],
+                       duplicate_of=None if i == 0 else members[0])
+        for i, m in enumerate(members)
+    ])
+    store.upsert_clusters([ClusterRecord("big", "near", members=members)])
+    assert store.cluster_members("big") == members
+    assert store.duplicates_of(members[0]) == members[1:]
+
+
 def test_source_overlap(graph):
     assert graph.source_overlap() == EXPECTED_OVERLAP
 
