@@ -135,7 +135,7 @@ def run_domain(
     """Tier 3 on code: language ID, The Stack v2 rules, tree-sitter parsing, the domain model's perplexity.
 
     Text passes through untouched. Prints per-rule drop counts and the
-    effective-code ratio before and after. Needs the domain model
+    rule-clean share before and after. Needs the domain model
     (`assay domain train`) unless domain.model.model names another causal LM.
     """
     from assay import report

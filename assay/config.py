@@ -58,7 +58,21 @@ class DemoParams:
     seed: int = 0
     stdlib_files: int = 400
     package_files: int = 400
-    package_metadata: int = 250
+    #: The text pool (`assay.ingest.demo`, labels in `assay.quality.pool`):
+    #: files of each kind sampled from this installation.
+    #: *.dist-info/METADATA files; each gives two documents: the header
+    #: block (pypi-metadata) and the long description, its body (pypi-description).
+    package_metadata: int = 150
+    package_records: int = 100        # *.dist-info/RECORD install manifests
+    entry_points: int = 60            # *.dist-info/entry_points.txt
+    doc_readmes: int = 150            # /usr/share/doc/*/README*
+    doc_news: int = 100               # /usr/share/doc/*/NEWS* (gzip decompressed)
+    doc_changelogs: int = 100         # /usr/share/doc/*/changelog.gz (upstream)
+    debian_changelogs: int = 100      # /usr/share/doc/*/changelog.Debian.gz
+    doc_copyright: int = 60           # /usr/share/doc/*/copyright
+    dpkg_manifests: int = 100         # /var/lib/dpkg/info/*.list and *.md5sums
+    logs: int = 40                    # /var/log/** (text files, gzip decompressed)
+    #: The reference set (the quality head's positives, not part of the pool).
     man_pages: int = 250
     #: pydoc_data reference topics: all of them (about 80) unless capped.
     pydoc_topics: int = 1000
@@ -69,16 +83,17 @@ class GopherQualityParams:
     """Gopher (Rae et al. 2021, appendix A) quality rules; defaults are the paper's."""
 
     enabled: bool = True
-    min_doc_words: int = 50
-    max_doc_words: int = 100_000
-    min_avg_word_length: float = 3.0
-    max_avg_word_length: float = 10.0
-    max_symbol_word_ratio: float = 0.1
-    max_bullet_lines_ratio: float = 0.9
-    max_ellipsis_lines_ratio: float = 0.3
+    # Every threshold can be None (null): that rule is off.
+    min_doc_words: int | None = 50
+    max_doc_words: int | None = 100_000
+    min_avg_word_length: float | None = 3.0
+    max_avg_word_length: float | None = 10.0
+    max_symbol_word_ratio: float | None = 0.1
+    max_bullet_lines_ratio: float | None = 0.9
+    max_ellipsis_lines_ratio: float | None = 0.3
     #: At least 80% of words must contain an alphabetic character.
-    min_alpha_words_ratio: float = 0.8
-    min_stop_words: int = 2
+    min_alpha_words_ratio: float | None = 0.8
+    min_stop_words: int | None = 2
     stop_words: list[str] = field(default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"])
 
 
@@ -87,14 +102,15 @@ class GopherRepetitionParams:
     """Gopher repetition rules (Rae et al. 2021, table A1); defaults are the paper's."""
 
     enabled: bool = True
-    dup_line_frac: float = 0.3
-    dup_para_frac: float = 0.3
-    dup_line_char_frac: float = 0.2
-    dup_para_char_frac: float = 0.2
+    # Every threshold can be None (null): that rule is off.
+    dup_line_frac: float | None = 0.3
+    dup_para_frac: float | None = 0.3
+    dup_line_char_frac: float | None = 0.2
+    dup_para_char_frac: float | None = 0.2
     #: n → max share of characters in the most frequent n-gram.
-    top_n_grams: dict[int, float] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    top_n_grams: dict[int, float | None] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
     #: n → max share of characters in duplicated n-grams.
-    dup_n_grams: dict[int, float] = field(
+    dup_n_grams: dict[int, float | None] = field(
         default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
     )
 
@@ -105,9 +121,10 @@ class C4Params:
 
     enabled: bool = True
     filter_no_terminal_punct: bool = False
-    min_num_sentences: int = 5
-    min_words_per_line: int = 3
-    max_word_length: int = 1000
+    # These three can be None (null) or -1 (datatrove's switch): that rule is off.
+    min_num_sentences: int | None = 5
+    min_words_per_line: int | None = 3
+    max_word_length: int | None = 1000
     filter_lorem_ipsum: bool = True
     filter_javascript: bool = True
     filter_curly_bracket: bool = True
@@ -119,19 +136,28 @@ class FineWebQualityParams:
     """FineWeb (Penedo et al. 2024) custom quality rules; defaults are FineWeb's."""
 
     enabled: bool = True
-    line_punct_thr: float = 0.12
-    short_line_thr: float = 0.67
+    # Every threshold can be None (null): that rule is off.
+    line_punct_thr: float | None = 0.12
+    short_line_thr: float | None = 0.67
     short_line_length: int = 30
-    char_duplicates_ratio: float = 0.01
-    new_line_ratio: float = 0.3
+    char_duplicates_ratio: float | None = 0.01
+    new_line_ratio: float | None = 0.3
 
 
 @dataclass
 class HeuristicsParams:
+    #: How the Gopher rules split words: "paper" (whitespace-separated, as Rae
+    #: et al. 2021 count them) or "datatrove" (spaCy English tokens, to compare
+    #: with datatrove). See ARCHITECTURE.md, tier 1.
+    words: str = "paper"
     gopher_quality: GopherQualityParams = field(default_factory=GopherQualityParams)
     gopher_repetition: GopherRepetitionParams = field(default_factory=GopherRepetitionParams)
     c4: C4Params = field(default_factory=C4Params)
     fineweb_quality: FineWebQualityParams = field(default_factory=FineWebQualityParams)
+
+    def __post_init__(self) -> None:
+        if self.words not in ("paper", "datatrove"):
+            raise AssayError(f"params: static.heuristics.words = {self.words!r} should be 'paper' or 'datatrove'")
 
 
 @dataclass
@@ -164,17 +190,35 @@ class ScoreParams:
 @dataclass
 class StaticParams:
     heuristics: HeuristicsParams = field(default_factory=HeuristicsParams)
-    #: Sources the heuristics leave alone: curated technical prose on which
-    #: web-text thresholds misfire (see ARCHITECTURE.md, tier 1).
-    heuristics_exempt_sources: list[str] = field(default_factory=lambda: ["pydoc-topics", "man"])
+    #: Which heuristic filters judge the text of a source (source -> filter
+    #: names, a non-empty subset of the enabled ones); sources not listed get
+    #: every enabled filter. The head judges every text document regardless.
+    source_rules: dict[str, list[str]] = field(default_factory=dict)
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
     head: str = "models/quality"
     #: Instead of the head: an AutoModelForSequenceClassification directory or name.
     model: str | None = None
     score: ScoreParams = field(default_factory=ScoreParams)
-    #: Keep a text document when quality >= threshold.
-    threshold: float = 0.5
+    #: Keep a text document when quality >= threshold (chosen for the default
+    #: head on the demo pool's dev part, see params.yaml).
+    threshold: float = 0.44
+
+    def __post_init__(self) -> None:
+        known = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality")  # filters.heuristics.FILTER_NAMES
+        for source, names in self.source_rules.items():
+            if not names:
+                raise AssayError(f"params: static.source_rules.{source} is empty; every text source is judged by "
+                                 f"at least one heuristic filter (choose from {', '.join(known)})")
+            for name in names:
+                if name not in known:
+                    raise AssayError(f"params: static.source_rules.{source}: unknown filter {name!r} "
+                                     f"(known: {', '.join(known)})")
+
+
+#: `quality.features`: what the quality head reads.
+FEATURES_WORDS = "words"
+FEATURES_EMBEDDING = "embedding"
 
 
 @dataclass
@@ -185,13 +229,45 @@ class QualityParams:
     reference_sources: list[str] = field(default_factory=lambda: ["pydoc-topics", "man"])
     #: Negatives sampled from the raw corpus's other text, per positive.
     negatives_per_positive: float = 1.0
+    #: Negatives come only from this share of the other text (by a hash of
+    #: the id); the rest is never trained on, and tier 1 is measured on it.
+    negatives_share: float = 0.3
+    #: The next share of it (by the same hash) is the dev part, for choosing
+    #: settings; tier 1 is measured on what is left.
+    dev_share: float = 0.2
     holdout: float = 0.2
     seed: int = 0
-    #: L2 penalty of the logistic head.
+    #: The head's input: "words" (hashed word counts of the whole text, GPT-3's
+    #: classifier features) or "embedding" (the shared encoder's vector of the
+    #: first window). See ARCHITECTURE.md, tier 1.
+    features: str = FEATURES_WORDS
+    #: Hash buckets of the words features.
+    hash_dim: int = 2**18
+    #: L2 penalty of the logistic head on the embedding.
     l2: float = 1e-3
+    #: L2 penalty of the logistic head on words (chosen on the demo pool's dev part).
+    words_l2: float = 0.05
     #: --finetune: epochs and learning rate for the whole encoder.
     finetune_epochs: int = 2
     finetune_lr: float = 2e-5
+
+    def __post_init__(self) -> None:
+        if self.features not in (FEATURES_WORDS, FEATURES_EMBEDDING):
+            raise AssayError(f"params: quality.features = {self.features!r} should be "
+                             f"{FEATURES_WORDS!r} or {FEATURES_EMBEDDING!r}")
+        if self.hash_dim < 1:
+            raise AssayError(f"params: quality.hash_dim = {self.hash_dim} should be positive")
+
+
+#: Bundler and compiler output fingerprints (see filters.code_rules, `code_rules:bundle`).
+BUNDLE_MARKERS = (
+    r"(?m)^\s*[(!]\s*function\s*\(\s*(?:global|root)\s*,\s*factory\s*\)",  # UMD wrapper (rollup, jQuery's build)
+    r"__webpack_require__",                                  # webpack's runtime
+    r"\b__toESM\(|\b__commonJS\(",                          # esbuild's helpers
+    r"\bparcelRequire\b",                                   # Parcel's runtime
+    r"Object\.defineProperty\(exports,\s*.__esModule",  # CommonJS interop (tsc, Babel, rollup)
+    r"\b_interopRequireDefault\(",                          # Babel's helper
+)
 
 
 @dataclass
@@ -205,13 +281,32 @@ class CodeRuleParams:
     data_languages: list[str] = field(default_factory=lambda: ["html", "json", "markdown", "tex", "text", "xml"])
     data_max_line_length: int = 100_000
     min_alpha_fraction: float = 0.25
-    #: Lines at the top of a file searched for generator markers.
+    #: Lines at the top of a file searched for generator markers (The Stack v2: 5).
     autogen_header_lines: int = 5
+    #: The Stack v2's five, then go-enry / linguist's banners (`is_generated`,
+    #: which The Stack v2 also applies), then common generators' own banners.
     autogen_markers: list[str] = field(default_factory=lambda: [
         "auto-generated", "autogenerated", "automatically generated", "generated automatically",
-        "this file is generated", "generated by", "do not edit", "code generated", "@generated",
-        "protoc",
+        "this file is generated",
+        "generated by", "code generated", "do not edit", "@generated", "<auto-generated",
+        "generated by the protocol buffer compiler", "autogenerated by thrift", "generated by cython",
+        "generated by peg.js", "it is machine generated", "generated code -- do not edit",
+        "generated from", "generated with", "auto generated", "do not modify", "this file was generated",
+        "generated by django", "protoc",
     ])
+    #: go-enry / linguist `has_source_map`: a source-map reference in the last
+    #: lines means the file is a compiler's or bundler's output; 0 turns it off.
+    source_map_tail_lines: int = 2
+    #: Ours: a data table has more than this share of its non-blank lines made
+    #: of literals only; calibrated on the labelled set's calibration split
+    #: (`bench/labelled_code.py --calibrate`: keeps 98% of its hand-written
+    #: files). None turns the rule off.
+    max_literal_line_fraction: float | None = 0.35
+    literal_min_lines: int = 10
+    #: Ours: fingerprints (RE2) that bundlers and compilers write into their
+    #: output, searched in `bundle_languages`; empty turns the rule off.
+    bundle_markers: list[str] = field(default_factory=lambda: list(BUNDLE_MARKERS))
+    bundle_languages: list[str] = field(default_factory=lambda: ["javascript", "typescript"])
     #: Encoded data: a single match longer than this, or matches covering more than the fraction, drop the file.
     encoded_max_match_chars: int = 1024
     encoded_max_fraction: float = 0.5
@@ -224,6 +319,10 @@ class CodeRuleParams:
     drop_xml_with_declaration: bool = True
 
 
+#: The default model's calibrated floor (see DomainModelParams.min_perplexity).
+MIN_PERPLEXITY = 66.1
+
+
 @dataclass
 class DomainModelParams:
     """The domain model's second screen: a causal LM's per-token perplexity."""
@@ -234,11 +333,18 @@ class DomainModelParams:
     #: Tokens scored per document (the first window).
     window: int = 256
     batch_size: int = 16
-    max_perplexity: float = 1e9
-    #: Keep code inside this percentile band of the corpus's perplexities
-    #: (estimated on `band_sample` documents); null disables the band. The
-    #: low side matters: generated tables are *too* predictable.
-    percentile_band: list[float] | None = field(default_factory=lambda: [2.0, 98.0])
+    #: Fixed per-token perplexity thresholds for the model: under the minimum
+    #: is a generated table (too predictable), over the maximum garbage. The
+    #: minimum is calibrated (`bench/labelled_code.py --calibrate`) to keep 98%
+    #: of hand-written code: the labelled set's calibration split and the
+    #: model's own held-out reference files. None: that side is off.
+    min_perplexity: float | None = MIN_PERPLEXITY
+    max_perplexity: float | None = 1e9
+    #: Optional (the old default): also keep only code inside this percentile
+    #: band of the corpus's own perplexities, estimated on `band_sample`
+    #: documents. It moves with the corpus's contamination: a kind of generated
+    #: file that is more than a few percent of the corpus sets the band itself.
+    percentile_band: list[float] | None = None
     band_sample: int = 2000
     device: str = "auto"
 
@@ -285,6 +391,9 @@ class MinHashParams:
     seed: int = 1
     #: Jaccard similarity the LSH is tuned for (used to report recall/precision).
     threshold: float = 0.8
+    #: "permutations": bands*rows hash functions over every shingle (classic MinHash, as FineWeb and
+    #: datasketch); "one_permutation": one pass, a bin per value, empty bins densified (filters.minhash).
+    scheme: str = "permutations"
 
 
 @dataclass

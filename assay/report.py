@@ -111,10 +111,14 @@ def stage_summary(manifest: dict[str, Any]) -> None:
     for key in ("embedded", "lang_corrected"):
         if key in counts:
             table.add_row(key, f"{counts[key]:,}")
-    ratio = manifest.get("effective_code_ratio")
+    # What the stage's own rules say of its input: a description, not a measurement
+    # (the labelled effective-code ratio is bench/labelled_code.py's).
+    ratio = manifest.get("rule_clean_share")
     if ratio and ratio.get("before") is not None:
         after = f"{ratio['after']:.1%}" if ratio.get("after") is not None else "-"
-        table.add_row("effective-code ratio", f"{ratio['before']:.1%} → {after}")
+        table.add_row("rule-clean share", f"{ratio['before']:.1%} → {after}")
+        if ratio.get("never_parsed") is not None:
+            table.add_row("  never parsed", f"{ratio['never_parsed']:,}")
         for part, value in ratio["parts_before"].items():
             later = ratio["parts_after"].get(part)
             table.add_row(f"  {part}", f"{value:.1%} → {later:.1%}" if later is not None else f"{value:.1%}")

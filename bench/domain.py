@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from assay.config import DomainParams
     from filters.code_langid import identify_languages
-    from filters.code_rules import CodeRulesFilter, effective_code_flags, rule_failures, code_features
+    from filters.code_rules import CodeRulesFilter, code_features, rule_clean_flags, rule_failures
     from filters.code_syntax import SyntaxFilter
 
     batch = load(sample_files(args.files, args.seed))
@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     moves = Counter((old[i], langs[i]) for i in np.flatnonzero(changed).tolist())
     print(f"\nlanguage ID changed {int(changed.sum())} labels: "
           + ", ".join(f"{a} -> {b}: {c}" for (a, b), c in moves.most_common()))
-    flags = effective_code_flags(labelled, params, syntax=syntax_result)
+    flags = rule_clean_flags(labelled, params, syntax=syntax_result)
     code = flags["code"].sum()
-    print("\neffective code: " + ", ".join(f"{k} {flags[k].sum() / max(code, 1):.1%}"
-                                          for k in ("parses", "not_generated", "not_minified", "not_encoded_data", "effective"))
-          + f" of {int(code)} code files")
+    # A description by the stage's own rules; bench/labelled_code.py measures the verdicts.
+    print("\nrule-clean share: " + ", ".join(f"{k} {flags[k].sum() / max(code, 1):.1%}"
+                                            for k in ("parses", "not_generated", "not_source_mapped", "not_minified",
+                                                      "not_encoded_data", "rule_clean"))
+          + f" of {int(code)} code files ({int(code - flags['parse_checked'].sum())} never parsed)")
     print("\ndropped by the rules (first 40):")
     for i in np.flatnonzero(~rule_result.keep).tolist()[:40]:
         print(f"  {rule_result.reason[i]:<32} {batch.column('path')[i].as_py()}")

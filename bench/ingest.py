@@ -1,24 +1,31 @@
 """Ingest throughput on the demo corpus, side by side with the tools a user would otherwise pick.
 
-    python bench/ingest.py [--repeat-jsonl 20]
+    python bench/ingest.py [--repeat-jsonl 20] [--repeats 3] [--skip-flow]
 
 1. `demo`: the demo corpus from this installation (files on disk, man pages
    rendered by `man`), through our reader without Prefect, and the same with
    the Prefect flow to show the orchestration overhead.
 2. `jsonl`: the demo documents written to one JSONL file (repeated to a few
-   hundred MB) and ingested to zstd Parquet shards by
-   - ours (`assay.ingest.readers`, one task),
-   - datatrove's JsonlReader → ParquetWriter,
-   - Hugging Face `datasets.load_dataset("json")` + `to_parquet`.
-Everything runs in one process, one after the other, single-threaded tasks.
+   hundred MB) and ingested to Parquet by
+   - ours with Arrow blocks (the default) and with the line-by-line reference,
+   - datatrove's JsonlReader → ParquetWriter (zstd),
+   - Hugging Face `datasets.load_dataset("json")` + `to_parquet` (snappy).
+   The tools take turns, `--repeats` rounds in a rotating order, and the
+   median of each is reported with its ratio to `datasets`.
+3. `dirty`: the same file with one bad line in every 100 (malformed JSON,
+   invalid UTF-8, NUL bytes, a non-object, a missing text field, an empty
+   text), through every tool once: what each keeps and what it loses.
+Everything runs in one process, single-threaded tasks.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,8 +44,8 @@ from assay.shards import iter_batches  # noqa: E402
 from assay.staging import commit, prepare  # noqa: E402
 
 
-def run_plain(sources, out, params):
-    options = options_from_params(params)
+def run_plain(sources, out, params, **overrides):
+    options = dataclasses.replace(options_from_params(params), **overrides)
     started = time.perf_counter()
     units = plan(sources, options, demo_params=params.demo)
     prepare(out, fingerprint(units, options, params), overwrite=True)
@@ -48,18 +55,126 @@ def run_plain(sources, out, params):
     return time.perf_counter() - started, manifest["counts"]
 
 
-def row(name, seconds, docs, nbytes):
-    return f"| {name} | {docs:,} | {nbytes / 2**20:,.1f} | {seconds:.2f} | {docs / seconds:,.0f} | {nbytes / 2**20 / seconds:,.1f} |"
+def row(name, seconds, docs, nbytes, ratio=""):
+    return (f"| {name} | {docs:,} | {nbytes / 2**20:,.1f} | {seconds:.2f} | {docs / seconds:,.0f} | "
+            f"{nbytes / 2**20 / seconds:,.1f} | {ratio} |")
+
+
+def assay_tool(parser):
+    def run(path, out, params):
+        seconds, counts = run_plain([str(path)], out, params, jsonl_parser=parser)
+        return seconds, counts["documents"], f"{counts['quarantined']:,} quarantined, each with its line number and bytes"
+    return run
+
+
+def datatrove_tool(path, out, params):
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import ParquetWriter
+
+    started = time.perf_counter()
+    reader = JsonlReader(str(path.parent), glob_pattern=path.name, text_key="text", id_key="id")
+    writer = ParquetWriter(str(out), compression="zstd")
+    seen = 0
+
+    def counted(docs):
+        nonlocal seen
+        for doc in docs:
+            seen += 1
+            yield doc
+
+    for _ in writer.run(counted(reader.run(None, rank=0, world_size=1)), rank=0, world_size=1):
+        pass
+    return time.perf_counter() - started, seen, "bad lines skipped with a warning; the file ends at the first non-UTF-8 line"
+
+
+def datasets_tool(path, out, params):
+    import datasets
+
+    datasets.disable_progress_bars()
+    started = time.perf_counter()
+    try:
+        ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=str(out / "hf-cache"))
+        ds.to_parquet(str(out / "hf.parquet"))  # its writer fixes the codec (snappy)
+    except Exception as exc:  # what a user would see on dirty input
+        return time.perf_counter() - started, 0, f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+    return time.perf_counter() - started, len(ds), ""
+
+
+def tools():
+    found = {"assay, Arrow blocks (default)": assay_tool("arrow"), "assay, line by line (reference)": assay_tool("lines")}
+    try:
+        import datatrove.pipeline.readers  # noqa: F401
+
+        found["datatrove JsonlReader + ParquetWriter (zstd)"] = datatrove_tool
+    except ImportError:
+        pass
+    found["datasets.load_dataset('json') + to_parquet (snappy)"] = datasets_tool
+    return found
+
+
+def breakdown(path, out, params) -> dict[str, float]:
+    """Seconds inside Arrow's JSON parser, kind/lang detection and Parquet writing, in one assay run."""
+    import pyarrow.json
+
+    import assay.ingest.jsonl as jsonl
+    import assay.shards as shards
+
+    spent = {"JSON parsing (pyarrow.json)": 0.0, "kind/lang detection (assay.languages)": 0.0, "Parquet writing (zstd)": 0.0}
+
+    def timed_call(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+
+    names = list(spent)
+    patches = [(pyarrow.json, "read_json", names[0]), (jsonl.languages, "classify_batch", names[1]),
+               (shards.ShardWriter, "_flush", names[2])]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in patches]
+    try:
+        for owner, attr, name in patches:
+            setattr(owner, attr, timed_call(getattr(owner, attr), name))
+        total, _ = run_plain([str(path)], out, params, jsonl_parser="arrow")
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+    spent["the rest (reading, checks, meta, ids, decisions)"] = total - sum(spent.values())
+    spent["total"] = total
+    return spent
+
+
+#: One bad line of each kind, cycled through every 100th line of the dirty file.
+BAD_LINES = [
+    b'{"id": "bad", "text": "missing the closing brace"',
+    b'{"id": "bad", "text": "not UTF-8 \xff\xfe here"}',
+    b"\x00\x01\x02 binary \x00 bytes",
+    b"[1, 2, 3]",
+    b'{"id": "bad", "body": "no text field"}',
+    b'{"id": "bad", "text": "   "}',
+]
+
+
+def write_dirty(clean, dirty):
+    with open(clean, "rb") as src, open(dirty, "wb") as out:
+        for i, line in enumerate(src):
+            out.write(line)
+            if i % 100 == 99:
+                out.write(BAD_LINES[(i // 100) % len(BAD_LINES)] + b"\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat-jsonl", type=int, default=20, help="copies of the demo documents in the JSONL file")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the JSONL comparison")
     parser.add_argument("--skip-flow", action="store_true", help="skip the Prefect flow run")
     args = parser.parse_args()
     params = load_params()
     work = Path(tempfile.mkdtemp(prefix="assay-bench-"))
-    lines = ["| run | documents | MB in | seconds | docs/s | MB/s |", "|---|---:|---:|---:|---:|---:|"]
+    header = ["| run | documents | MB in | seconds | docs/s | MB/s | vs datasets |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = list(header)
     try:
         seconds, counts = run_plain(["demo"], work / "demo", params)
         lines.append(row("demo corpus, assay reader (no Prefect)", seconds, counts["input_records"], counts["bytes_in"]))
@@ -81,39 +196,36 @@ def main() -> None:
                     handle.write(json.dumps({**doc, "id": f"{doc['id']}-{copy}"}) + "\n")
         size, n = jsonl.stat().st_size, len(docs) * args.repeat_jsonl
 
-        seconds, counts = run_plain([str(jsonl)], work / "jsonl-ours", params)
-        assert counts["documents"] == n, counts
-        lines.append(row("JSONL → Parquet, assay", seconds, n, size))
+        runs = tools()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
+        for round_ in range(args.repeats):
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                out = work / f"out-{len(times[name])}-{names.index(name)}"
+                seconds, seen, _ = runs[name](jsonl, out, params)
+                assert seen == n, f"{name} read {seen} of {n} documents"
+                times[name].append(seconds)
+                shutil.rmtree(out, ignore_errors=True)
+        median = {name: statistics.median(t) for name, t in times.items()}
+        reference = median[names[-1]]
+        for name in names:
+            spread = f"{min(times[name]):.2f}-{max(times[name]):.2f}"
+            lines.append(row(f"JSONL → Parquet, {name} (median of {args.repeats}: {spread} s)", median[name], n, size,
+                             f"{reference / median[name]:.2f}x"))
 
-        try:
-            from datatrove.pipeline.readers import JsonlReader
-            from datatrove.pipeline.writers import ParquetWriter
+        parts = breakdown(jsonl, work / "breakdown", params)
+        lines += ["", "Where the default reader's time goes (one more run): " + ", ".join(
+            f"{name} {seconds:.2f} s ({seconds / parts['total']:.0%})" for name, seconds in parts.items())]
 
-            started = time.perf_counter()
-            reader = JsonlReader(str(work), glob_pattern="docs.jsonl", text_key="text", id_key="id")
-            writer = ParquetWriter(str(work / "jsonl-datatrove"), compression="zstd")
-            seen = 0
-
-            def counted(docs):
-                nonlocal seen
-                for doc in docs:
-                    seen += 1
-                    yield doc
-
-            for _ in writer.run(counted(reader.run(None, rank=0, world_size=1)), rank=0, world_size=1):
-                pass
-            assert seen == n, f"datatrove read {seen} of {n} documents"
-            lines.append(row("JSONL → Parquet, datatrove JsonlReader + ParquetWriter", time.perf_counter() - started, n, size))
-        except ImportError:
-            lines.append("| datatrove | not installed | | | | |")
-
-        import datasets
-
-        datasets.disable_progress_bars()
-        started = time.perf_counter()
-        ds = datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(work / "hf-cache"))
-        ds.to_parquet(str(work / "jsonl-hf.parquet"))  # its writer fixes the codec (snappy)
-        lines.append(row("JSONL → Parquet, datasets.load_dataset('json') + to_parquet (snappy)", time.perf_counter() - started, n, size))
+        dirty = work / "dirty.jsonl"
+        write_dirty(jsonl, dirty)
+        bad = n // 100
+        lines += ["", f"Dirty input: the same {n:,} documents with {bad:,} bad lines among them "
+                  f"({dirty.stat().st_size / 2**20:,.1f} MB), one run each.", "",
+                  "| reader | documents out | seconds | what happens to the bad lines |", "|---|---:|---:|---|"]
+        for name in names:
+            seconds, seen, note = runs[name](dirty, work / f"dirty-{names.index(name)}", params)
+            lines.append(f"| {name} | {seen:,} | {seconds:.2f} | {note} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n".join(lines))

@@ -19,7 +19,13 @@ translated into a keep/drop verdict like this (the verdict is datatrove's):
    line. The first line that drops the document gives the reason.
 3. The sentences of the lines that are left (spaCy's sentencizer rules, see
    `filters.text_units.sentence_counts`) must number at least
-   `min_num_sentences` (`c4:too_few_sentences`; -1 turns the rule off).
+   `min_num_sentences` (`c4:too_few_sentences`).
+
+`max_word_length`, `min_words_per_line` and `min_num_sentences` are turned
+off by None (null in params.yaml) or, as in datatrove, by -1. Words within a
+line are whitespace-separated, as in C4 and datatrove; sentences follow
+spaCy's sentencizer rules, as datatrove counts them (C4 itself used NLTK's
+Punkt, which needs a model download), whatever `static.heuristics.words` says.
 
 So a kept document is one datatrove would have kept (with some lines cut);
 the cut itself is reported, not applied: `c4:lines_removed_frac` is the
@@ -68,7 +74,7 @@ class C4Filter:
         word_counts = np.asarray(pc.list_value_length(line_words), dtype=np.int64)
 
         removed = np.zeros(len(lines.values), dtype=bool)
-        if p.max_word_length != -1:
+        if p.max_word_length not in (None, -1):
             word_lengths = np.asarray(pc.utf8_length(pc.list_flatten(line_words)), dtype=np.int64)
             long_words = (word_lengths > p.max_word_length).astype(np.int64)
             ends = np.cumsum(word_counts)
@@ -79,7 +85,8 @@ class C4Filter:
             ends_ok = bool_array(pc.match_substring_regex(text, TERMINAL_RE))
             ellipsis = bool_array(pc.ends_with(text, "..."))
             removed |= ~ends_ok | ellipsis
-        removed |= word_counts < p.min_words_per_line
+        if p.min_words_per_line not in (None, -1):
+            removed |= word_counts < p.min_words_per_line
 
         def has(pattern: str, regex: bool = False, ignore_case: bool = True) -> np.ndarray:
             match = pc.match_substring_regex if regex else pc.match_substring
@@ -107,7 +114,8 @@ class C4Filter:
         if len(kept_idx):
             per_line = sentence_counts(WORDS.split(text.take(pa.array(kept_idx))))
             sentences = np.bincount(lines.row[kept_idx], weights=per_line, minlength=n).astype(np.int64)
-        few_sentences = (sentences < p.min_num_sentences) if p.min_num_sentences != -1 else np.zeros(n, dtype=bool)
+        off = p.min_num_sentences in (None, -1)
+        few_sentences = np.zeros(n, dtype=bool) if off else sentences < p.min_num_sentences
 
         scores = {
             "sentences": sentences,

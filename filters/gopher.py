@@ -8,9 +8,20 @@ numbers. The rules, their order and their arithmetic follow datatrove's
 row's reason is the first rule it fails, in that order. Every row gets every
 score, whether it passed or not.
 
-A threshold set to None turns its rule off (the params dataclasses do not
-allow None yet, so today every rule is on). Otherwise thresholds are taken
-literally, where datatrove also turns a rule off for 0 (a falsy threshold).
+Words. The paper (appendix A) states its rules over the words of a
+document, which we read as whitespace-separated strings; datatrove splits
+words with spaCy's English tokenizer, so every punctuation mark is a
+word of its own, without a letter, and punctuation-heavy prose fails the 80%
+`alpha_words_frac` rule. `words="paper"` (the default, `static.heuristics.words`)
+follows the paper: every rule that counts words (word count, mean length,
+symbol ratios, alphabetic share, stop words, n-grams) sees whitespace-separated
+words, all of them. `words="datatrove"` reproduces datatrove exactly (spaCy
+tokens; the word count and mean length leave out all-symbol tokens), for
+comparisons with it.
+
+A threshold set to None (`null` in params.yaml) turns its rule off.
+Otherwise thresholds are taken literally, where datatrove also turns a rule
+off for 0 (a falsy threshold).
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from filters.base import FilterResult
 from filters.text_units import (
     HAS_ALPHA,
     SYMBOL,
+    WORDS_DATATROVE,
+    WORDS_PAPER,
     WS_CLASS,
     Pieces,
     Tokens,
@@ -43,7 +56,7 @@ from filters.text_units import (
 class GopherQualityFilter:
     """Gopher quality rules, in datatrove's order.
 
-    - `word_count`: words that are not all symbols, within [min_doc_words, max_doc_words];
+    - `word_count`: words within [min_doc_words, max_doc_words] (datatrove: words that are not all symbols);
     - `mean_word_length`: their mean length within [min_avg_word_length, max_avg_word_length];
     - `hash_word_ratio`, `ellipsis_word_ratio`: `#` and `...`/`…` per word (all
       words, symbols included) at most max_symbol_word_ratio;
@@ -52,21 +65,24 @@ class GopherQualityFilter:
     - `alpha_words_frac`: words with a letter at least min_alpha_words_ratio;
     - `stop_words`: at least min_stop_words distinct stop words (case-sensitive, as datatrove).
 
-    Words are spaCy English tokens (`filters.text_units`); lines are `str.splitlines()`.
+    Words are whitespace-separated (`words="paper"`) or spaCy English tokens
+    (`words="datatrove"`), see the module docstring; lines are `str.splitlines()`.
     """
 
     name = "gopher_quality"
 
-    def __init__(self, params: GopherQualityParams | None = None) -> None:
+    def __init__(self, params: GopherQualityParams | None = None, words: str = WORDS_PAPER) -> None:
         self.params = params or GopherQualityParams()
+        self.words = _check_words(words)
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
-        words = units.words
+        words = units.words_for(self.words)
         offsets = words.offsets
         n_tokens = words.counts
-        symbol = (words.flags & SYMBOL) != 0
+        # datatrove leaves all-symbol tokens out of the count; the paper counts every word.
+        symbol = (words.flags & SYMBOL) != 0 if self.words == WORDS_DATATROVE else np.zeros(len(words.ids), bool)
         n_words = n_tokens - per_row_sum(symbol, offsets)
         mean_length = ratio(per_row_sum(np.where(symbol, 0, words.length), offsets), n_words)
         hashes = ratio(units.count("#"), n_tokens)
@@ -103,6 +119,12 @@ class GopherQualityFilter:
             "stop_words": stop_words,
         }
         return verdicts(self.name, n, rules, scores)
+
+
+def _check_words(words: str) -> str:
+    if words not in (WORDS_PAPER, WORDS_DATATROVE):
+        raise ValueError(f"words must be {WORDS_PAPER!r} or {WORDS_DATATROVE!r}, not {words!r}")
+    return words
 
 
 def _distinct_per_row(words: Tokens, wanted: np.ndarray) -> np.ndarray:
@@ -242,15 +264,17 @@ class GopherRepetitionFilter:
     - `dup_{n}_gram_char_frac`: characters (words joined without spaces) of
       repeated word n-grams, as a share of the text's characters.
 
-    One deliberate difference: datatrove compares n-grams as their words
-    joined without spaces (so `ab c` and `a bc` are the same 2-gram); we
-    compare the words themselves.
+    n-grams are over whitespace-separated words (`words="paper"`) or spaCy
+    tokens (`words="datatrove"`). One deliberate difference: datatrove
+    compares n-grams as their words joined without spaces (so `ab c` and
+    `a bc` are the same 2-gram); we compare the words themselves.
     """
 
     name = "gopher_repetition"
 
-    def __init__(self, params: GopherRepetitionParams | None = None) -> None:
+    def __init__(self, params: GopherRepetitionParams | None = None, words: str = WORDS_PAPER) -> None:
         self.params = params or GopherRepetitionParams()
+        self.words = _check_words(words)
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
@@ -273,7 +297,7 @@ class GopherRepetitionFilter:
             ("dup_line_char_frac", above(scores["dup_line_char_frac"], p.dup_line_char_frac)),
         ]
         top_rules, dup_rules = [], []
-        grams = _ngram_chars(units.words, set(p.top_n_grams), set(p.dup_n_grams))
+        grams = _ngram_chars(units.words_for(self.words), set(p.top_n_grams), set(p.dup_n_grams))
         for size, threshold in sorted(p.top_n_grams.items()):
             key = f"top_{size}_gram_char_frac"
             scores[key] = ratio(grams[("top", size)], length)

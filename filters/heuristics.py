@@ -12,17 +12,23 @@ kept or not, so the decisions table shows all the numbers behind a verdict;
 the work is shared (words, lines and paragraphs are computed once per batch
 by `filters.text_units`).
 
-One difference from a datatrove pipeline by design: there, C4 rewrites the
-text (drops lines) and FineWeb quality judges the rewritten text; here no
-filter changes text, so FineWeb quality judges the original. Filter by
-filter the verdicts are datatrove's; as a chain they differ on about 1% of
-the demo sample (documents whose C4 cleaning moves them across one of
-FineWeb's thresholds, mostly the punctuation and duplicate-line rules).
+Which filters judge which text is a per-source choice (`static.source_rules`,
+`apply_by_source`): a source can be judged by a subset of the filters, never
+by none of them.
+
+Words are counted as the papers count them (`static.heuristics.words`,
+see `filters.gopher`); with `words: datatrove`, filter by filter the
+verdicts are datatrove's (tests/test_heuristics_datatrove.py). One
+difference from a datatrove pipeline by design: there, C4 rewrites the text
+(drops lines) and FineWeb quality judges the rewritten text; here no filter
+changes text, so FineWeb quality judges the original. As a chain the
+verdicts differ from datatrove's on about 1.5% of the benchmark sample
+(documents whose C4 cleaning moves them across one of FineWeb's thresholds).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,14 +42,18 @@ from filters.fineweb import FineWebQualityFilter
 from filters.gopher import GopherQualityFilter, GopherRepetitionFilter
 
 
+#: Every heuristic filter, in FineWeb's order (the names `static.source_rules` may use).
+FILTER_NAMES = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality")
+
+
 def build_heuristics(params: HeuristicsParams | None = None) -> list[Filter]:
     """The enabled heuristic filters, in the order `apply_chain` runs them."""
     params = params or HeuristicsParams()
     filters: list[Filter] = []
     if params.gopher_repetition.enabled:
-        filters.append(GopherRepetitionFilter(params.gopher_repetition))
+        filters.append(GopherRepetitionFilter(params.gopher_repetition, words=params.words))
     if params.gopher_quality.enabled:
-        filters.append(GopherQualityFilter(params.gopher_quality))
+        filters.append(GopherQualityFilter(params.gopher_quality, words=params.words))
     if params.c4.enabled:
         filters.append(C4Filter(params.c4))
     if params.fineweb_quality.enabled:
@@ -79,4 +89,47 @@ def apply_chain(filters: Sequence[Filter], batch: pa.RecordBatch | pa.Table) -> 
             full[rows] = values
             scores[key] = full
     keep[rows] = alive
+    return FilterResult(keep, reason, scores)
+
+
+def check_source_rules(filters: Sequence[Filter], source_rules: Mapping[str, Sequence[str]]) -> None:
+    """Every listed source must be judged by at least one enabled filter, named correctly."""
+    enabled = {f.name for f in filters}
+    for source, names in source_rules.items():
+        unknown = sorted(set(names) - set(FILTER_NAMES))
+        if unknown:
+            raise ValueError(f"source_rules[{source!r}]: unknown filter {unknown[0]!r} (known: {', '.join(FILTER_NAMES)})")
+        if not enabled.intersection(names):
+            raise ValueError(
+                f"source_rules[{source!r}] = {list(names)} leaves the source with no enabled heuristic filter; "
+                "every text source is judged by at least one (enabled: " + (", ".join(sorted(enabled)) or "none") + ")"
+            )
+
+
+def apply_by_source(filters: Sequence[Filter], batch: pa.RecordBatch | pa.Table,
+                    source_rules: Mapping[str, Sequence[str]]) -> FilterResult:
+    """`apply_chain`, with the filters of each row's source (`source_rules`; others: all of `filters`).
+
+    Scores of a filter that did not judge a row are NaN.
+    """
+    n = batch.num_rows
+    if not source_rules or "source" not in batch.schema.names or n == 0:
+        return apply_chain(filters, batch)
+    check_source_rules(filters, source_rules)
+    sources = batch.column("source")
+    listed = pa.array(list(source_rules), pa.string())
+    position = np.asarray(pc.fill_null(pc.index_in(sources, value_set=listed), -1), dtype=np.int64)
+    keep = np.ones(n, dtype=bool)
+    reason: list[str | None] = [None] * n
+    scores: dict[str, np.ndarray] = {}
+    for which in np.unique(position).tolist():
+        rows = np.flatnonzero(position == which)
+        chosen = filters if which < 0 else [f for f in filters if f.name in source_rules[listed[which].as_py()]]
+        sub = batch if len(rows) == n else batch.take(pa.array(rows, pa.int64()))
+        result = apply_chain(chosen, sub)
+        keep[rows] = result.keep
+        for j, i in enumerate(rows.tolist()):
+            reason[i] = result.reason[j]
+        for key, values in result.scores.items():
+            scores.setdefault(key, np.full(n, np.nan))[rows] = values
     return FilterResult(keep, reason, scores)

@@ -10,8 +10,10 @@ The pipeline, with `MinHashParams` (FineWeb's defaults: word 5-grams,
    folds a decimal part, "3.14" -> "0"; here it is "0 0"); punctuation,
    symbols, separators and control characters (\p{P} \p{S} \p{Z} \p{Cc}:
    datatrove's PUNCTUATION list, "_" included) separate words, like
-   whitespace. Rows with non-ASCII characters get the Unicode steps with
-   pyarrow.compute; then every row is split on its UTF-8 bytes with numpy.
+   whitespace. The lines with non-ASCII characters get the Unicode steps
+   with pyarrow.compute (`_simplify_non_ascii_lines`: the rest of such a
+   row is not run through them); then every row is split on its UTF-8 bytes
+   with numpy.
    Each distinct word of a batch is hashed once (`hash_strings`: 8-byte
    chunks through the MurmurHash3 finaliser, pure integer numpy, the same on
    every machine); the n-gram starting at word i is
@@ -24,7 +26,10 @@ The pipeline, with `MinHashParams` (FineWeb's defaults: word 5-grams,
    broadcasting over blocks of 4096 shingles of many documents and a
    segmented minimum (np.minimum.reduceat) per document: (n, 112) uint32. A
    document without shingles has every value EMPTY (2^32 - 1) and takes no
-   part in LSH.
+   part in LSH. With `scheme: one_permutation`,
+   `one_permutation_signatures` instead: one pass, each shingle in one of
+   112 bins by its hash, the minimum per bin, empty bins densified (its
+   docstring); about 6x faster, a different signature.
 3. `band_buckets`: one 64-bit key per document for one band (its 8 values
    and the band number, hashed). `candidate_pairs_for_band` sorts the keys
    and links every member of a bucket to the bucket's smallest doc index (a
@@ -37,12 +42,17 @@ The pipeline, with `MinHashParams` (FineWeb's defaults: word 5-grams,
    highest `quality`, then the earliest id (`filters.exact_dedup.choose_kept`);
    the others map to it.
 
-Memory of the LSH stage per document (`lsh_bytes_per_doc`): the signature
-(4 bytes x 112 = 448) and one 8-byte key per band (14 x 8 = 112): 560 bytes,
-534 MiB per million documents with every band's keys held at once; band by
-band, the signatures plus one key column and its sort order: 464 bytes,
-443 MiB per million. Candidate pairs add 16 bytes each, the union-find 8
-bytes a document (+1 for the rank).
+Memory of the LSH stage per document (`lsh_bytes_per_doc`, the arrays'
+sizes): the signature (4 bytes x 112 = 448), plus, per band task running
+at once, the task's arrays: the alive rows' indexes (8), their band columns
+(4 x 8 = 32), the key and one column being mixed in (16), the sort order,
+sorted keys and sorted doc indexes (24) and the run flags and numbers (9):
+89 bytes, so 537 bytes a document with one band at a time. Measured
+(`bench/dedup_memory.py`, 1M documents: peak RSS and numpy's traced
+allocations): 553 bytes with one band task at a time, 625 with two. Every
+band's keys held at once (`candidate_pairs`) is 448 + 112 bytes of keys
+before its sort. Candidate pairs add 16 bytes each, the union-find 8 bytes
+a document (+1 for the rank).
 
 Ground truth for tests and benchmarks: `shingle_sets`, `jaccard` and
 `exact_similar_pairs` (prefix filtering: exact for every pair at or above
@@ -82,11 +92,14 @@ _LEN_TAG = np.uint64(0x2545F4914F6CDD1D)
 
 def _fmix64(x: np.ndarray) -> np.ndarray:
     """MurmurHash3's 64-bit finaliser (a bijection), in place on a uint64 array."""
-    x ^= x >> _S33
+    t = x >> _S33
+    x ^= t
     x *= _M1
-    x ^= x >> _S33
+    np.right_shift(x, _S33, out=t)  # one temporary for the three shifts
+    x ^= t
     x *= _M2
-    x ^= x >> _S33
+    np.right_shift(x, _S33, out=t)
+    x ^= t
     return x
 
 
@@ -189,6 +202,23 @@ def _simplify_non_ascii(texts: pa.Array) -> pa.Array:
     return pc.replace_substring_regex(texts, _non_ascii_class("digit"), "0")
 
 
+def _simplify_non_ascii_lines(texts: pa.Array) -> pa.Array:
+    """`_simplify_non_ascii` of only the lines that have a non-ASCII character, the rows joined back.
+
+    A file with one accented name in its header would otherwise go whole
+    through the Unicode steps (regexes over huge character classes, NFD).
+    The result is the same: every step is local to a character or a run of
+    non-ASCII characters, and "\\n" is ASCII, so nothing it changes spans a
+    line break.
+    """
+    lines = pc.split_pattern(texts, "\n")
+    flat = lines.flatten()
+    non_ascii = pc.invert(pc.string_is_ascii(flat))
+    flat = pc.replace_with_mask(flat, non_ascii, _simplify_non_ascii(flat.filter(non_ascii)).cast(flat.type))
+    rebuilt = type(lines).from_arrays(lines.offsets, flat)
+    return pc.binary_join(rebuilt, pa.scalar("\n", flat.type))
+
+
 _BYTE_MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [2**64 - 1], dtype=np.uint64)
 _CHUNK_TAG = np.uint64(0x9E3779B97F4A7C15)
 
@@ -236,6 +266,16 @@ def hash_strings(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return _hash_spans(padded, offsets[:-1] - base, np.diff(offsets))
 
 
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """np.unique of an already sorted array, by one comparison (np.unique hashes or sorts again)."""
+    if len(values) == 0:
+        return values
+    first = np.empty(len(values), dtype=bool)
+    first[0] = True
+    np.not_equal(values[1:], values[:-1], out=first[1:])
+    return values[first]
+
+
 def _split_words(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Hashes of every word (in order) and per-row word counts, on the UTF-8 bytes with numpy.
 
@@ -262,10 +302,18 @@ def _split_words(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     word = ((body - np.uint8(97)) < 26) | digit | high
     np.copyto(body, data, where=high)
     body[digit] = 48
-    edges = np.flatnonzero(np.diff(word.view(np.int8), prepend=np.int8(0), append=np.int8(0)))
+    # Word boundaries: where `word` flips (one comparison, no padded copy), plus the buffer's two ends.
+    flips = np.flatnonzero(word[1:] != word[:-1])
+    flips += 1
+    parts = [flips]
+    if word[0]:
+        parts.insert(0, np.zeros(1, dtype=flips.dtype))
+    if word[-1]:
+        parts.append(np.full(1, size, dtype=flips.dtype))
+    edges = np.concatenate(parts) if len(parts) > 1 else flips
     starts, ends = edges[0::2], edges[1::2]
     # A word must not run from one row into the next.
-    inner = np.unique(offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < size)])
+    inner = _sorted_unique(offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < size)])
     crossing = inner[word[inner] & word[inner - 1]]
     if len(crossing):
         starts = np.sort(np.concatenate([starts, crossing]))
@@ -275,10 +323,11 @@ def _split_words(texts: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     # Digits after a digit of the same word are dropped: rehash those words from their kept bytes.
     dropped = np.flatnonzero(digit[1:] & digit[:-1]) + 1
     if len(dropped) and len(crossing):
-        dropped = dropped[~np.isin(dropped, crossing)]
+        at_crossing = crossing[np.minimum(np.searchsorted(crossing, dropped), len(crossing) - 1)] == dropped
+        dropped = dropped[~at_crossing]
     if len(dropped):
         owners = np.searchsorted(starts, dropped, side="right") - 1
-        redo = np.unique(owners)
+        redo = _sorted_unique(owners)
         first = np.zeros(len(redo) + 1, dtype=np.int64)
         np.cumsum(lengths[redo], out=first[1:])
         at = np.repeat(starts[redo] - first[:-1], lengths[redo]) + np.arange(first[-1])
@@ -309,7 +358,7 @@ def words(texts) -> tuple[np.ndarray, np.ndarray]:
     non_ascii = pc.invert(pc.string_is_ascii(texts))
     if pc.any(non_ascii).as_py():
         rows = texts.filter(non_ascii)
-        texts = pc.replace_with_mask(texts, non_ascii, _simplify_non_ascii(rows).cast(texts.type))
+        texts = pc.replace_with_mask(texts, non_ascii, _simplify_non_ascii_lines(rows).cast(texts.type))
     hashes, counts = _split_words(texts)
     np.cumsum(counts, out=offsets[1:])
     return hashes, offsets
@@ -443,6 +492,72 @@ def signatures_from_shingles(hashes: np.ndarray, offsets: np.ndarray, params: Mi
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _probe_table(num: int, attempts: int, seed: int) -> np.ndarray:
+    """(num, attempts) bins to copy an empty bin from, the same for every document (optimal densification)."""
+    i = np.arange(num, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15)
+    a = np.arange(1, attempts + 1, dtype=np.uint64)[None, :] * np.uint64(0xD6E8FEB86659FD93)
+    h = _fmix64(i ^ a ^ np.uint64((seed * 0x94D049BB133111EB) % 2**64))
+    return ((h >> np.uint64(32)) * np.uint64(num) >> np.uint64(32)).astype(np.int64)
+
+
+def one_permutation_signatures(hashes: np.ndarray, offsets: np.ndarray, params: MinHashParams | None = None,
+                               attempts: int = 64) -> np.ndarray:
+    """One-permutation MinHash (Li, Owen & Zhang 2012) with optimal densification (Shrivastava 2017).
+
+    Each shingle hash h (already mixed by fmix64) is multiplied by an odd
+    constant from params.seed, g = h * c mod 2^64; it falls in bin
+    (g_high32 * num) >> 32 of num = bands * rows bins with value g_low32,
+    and a bin keeps its minimum value. An empty bin i copies the
+    value of the first non-empty bin among probes p(i, 1), p(i, 2), ... (a
+    fixed hash sequence, the same for every document, so two documents copy
+    from the same bins), and after `attempts` probes from the next non-empty
+    bin after i (rotation). One pass over the shingles instead of num
+    (`signatures_from_shingles`): the same expectation, P[bin equal] = J,
+    and for sets much larger than num a lower variance (bins sample without
+    replacement). Documents without shingles stay all EMPTY.
+    """
+    params = params or MinHashParams()
+    num = params.bands * params.rows
+    n_docs = len(offsets) - 1
+    out = np.full(n_docs * num, EMPTY, dtype=SIG_DTYPE)
+    if len(hashes) == 0:
+        return out.reshape(n_docs, num)
+    # The seed picks an odd multiplier (a bijection of the 64-bit hashes): bin from the product's high
+    # half, value from its low half.
+    mult = _fmix64(np.array([params.seed + 0x632BE59BD9B4E019], dtype=np.uint64)) | np.uint64(1)
+    mixed = np.asarray(hashes, dtype=np.uint64) * mult[0]
+    values = mixed.astype(np.uint32)
+    key = mixed  # reused in place: key = doc * num + bin
+    key >>= np.uint64(32)
+    key *= np.uint64(num)
+    key >>= np.uint64(32)
+    key = key.view(np.int64)
+    key += np.repeat(np.arange(n_docs, dtype=np.int64) * num, np.diff(offsets))
+    np.minimum.at(out, key, values)
+    out = out.reshape(n_docs, num)
+    filled = out != EMPTY
+    partial = np.flatnonzero(filled.any(axis=1) & ~filled.all(axis=1))
+    if len(partial) == 0:
+        return out
+    sub, sub_filled = out[partial], filled[partial]
+    row, col = np.nonzero(~sub_filled)
+    probes = _probe_table(num, attempts, params.seed)
+    for a in range(attempts):
+        source = probes[col, a]
+        hit = sub_filled[row, source]
+        sub[row[hit], col[hit]] = sub[row[hit], source[hit]]
+        row, col = row[~hit], col[~hit]
+        if len(row) == 0:
+            break
+    if len(row):  # rotation: the next bin after `col` that is filled (cyclically)
+        order = np.concatenate([sub_filled, sub_filled], axis=1)[row]
+        steps = np.argmax(order[np.arange(len(row))[:, None], col[:, None] + 1 + np.arange(num)[None, :]], axis=1)
+        sub[row, col] = sub[row, (col + 1 + steps) % num]
+    out[partial] = sub
+    return out
+
+
 def signatures(texts: Sequence[str] | pa.Array, params: MinHashParams | None = None,
                batch_docs: int = 1024, batch_bytes: int = 16 << 20) -> np.ndarray:
     """MinHash signatures, (n, bands*rows) uint32; rows of EMPTY for documents without words.
@@ -452,19 +567,29 @@ def signatures(texts: Sequence[str] | pa.Array, params: MinHashParams | None = N
     depend on the batching.
     """
     params = params or MinHashParams()
+    schemes = {"permutations": signatures_from_shingles, "one_permutation": one_permutation_signatures}
+    if params.scheme not in schemes:
+        raise ValueError(f"dedup.minhash.scheme = {params.scheme!r}; expected one of {sorted(schemes)}")
     texts = _as_string_array(texts)
     parts = []
     for batch in _batches(texts, batch_docs, batch_bytes):
         hashes, offsets = shingles(batch, params)
-        parts.append(signatures_from_shingles(hashes, offsets, params))
+        parts.append(schemes[params.scheme](hashes, offsets, params))
     if not parts:
         return np.empty((0, params.bands * params.rows), dtype=SIG_DTYPE)
     return np.concatenate(parts)
 
 
-def has_shingles(signatures: np.ndarray) -> np.ndarray:
-    """False for documents without any shingle (all-EMPTY rows): they take no part in LSH."""
-    return ~(signatures == EMPTY).all(axis=1)
+def has_shingles(signatures: np.ndarray, block: int = 1 << 16) -> np.ndarray:
+    """False for documents without any shingle (all-EMPTY rows): they take no part in LSH.
+
+    In blocks of rows, so the comparison's bool temporary stays small (a
+    whole (n, 112) one is 112 bytes a document, a fifth of the signatures).
+    """
+    out = np.empty(len(signatures), dtype=bool)
+    for start in range(0, len(signatures), block):
+        out[start : start + block] = (signatures[start : start + block] != EMPTY).any(axis=1)
+    return out
 
 
 def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
@@ -475,20 +600,27 @@ def estimated_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
 # --- 3. LSH, band by band ----------------------------------------------------------
 
 
+def band_keys(band_values: np.ndarray, band: int) -> np.ndarray:
+    """One uint64 bucket key per row of one band's signature values (m, rows): their hash and the band number."""
+    band_values = np.asarray(band_values)
+    mult = _position_multipliers(band_values.shape[1])
+    key = np.full(len(band_values), ((band + 1) * int(_LEN_TAG)) % 2**64, dtype=np.uint64)
+    column = np.empty(len(band_values), dtype=np.uint64)
+    for j in range(band_values.shape[1]):
+        column[:] = band_values[:, j]  # one column at a time: 8 B a document, not a (m, rows) uint64 copy
+        column *= mult[j]
+        key += column
+        if j % 2 == 1:
+            _fmix64(key)
+    return _fmix64(key)
+
+
 def band_buckets(signatures: np.ndarray, band: int, params: MinHashParams | None = None) -> np.ndarray:
     """One uint64 bucket key per document for `band` (hash of its rows and the band number)."""
     params = params or MinHashParams()
     if not 0 <= band < params.bands:
         raise ValueError(f"band {band} outside 0..{params.bands - 1}")
-    rows = params.rows
-    part = signatures[:, band * rows : (band + 1) * rows].astype(np.uint64)
-    mult = _position_multipliers(rows)
-    key = np.full(len(signatures), ((band + 1) * int(_LEN_TAG)) % 2**64, dtype=np.uint64)
-    for j in range(rows):
-        key += part[:, j] * mult[j]
-        if j % 2 == 1:
-            _fmix64(key)
-    return _fmix64(key)
+    return band_keys(signatures[:, band * params.rows : (band + 1) * params.rows], band)
 
 
 def candidate_pairs_for_band(doc_index: np.ndarray, bucket_keys: np.ndarray) -> np.ndarray:
@@ -539,12 +671,18 @@ def candidate_pairs(signatures: np.ndarray, params: MinHashParams | None = None,
 
 
 def lsh_bytes_per_doc(params: MinHashParams | None = None, signature_dtype=SIG_DTYPE) -> dict[str, int]:
-    """Bytes per document of the LSH stage: signature, all band keys, and the band-by-band peak."""
+    """Bytes per document of the LSH stage, from its arrays' sizes (the module docstring lists them).
+
+    signature; band_keys (every band's key, `candidate_pairs`); band_task (what one
+    `assay.stages.dedup.band_pairs` call allocates: indexes, band columns, key, sort); all_at_once
+    (signature + band_keys); band_by_band (signature + one band task).
+    """
     params = params or MinHashParams()
     sig = params.bands * params.rows * np.dtype(signature_dtype).itemsize
     keys = params.bands * 8
-    return {"signature": sig, "band_keys": keys, "all_at_once": sig + keys,
-            "band_by_band": sig + 8 + 8}
+    band_task = 8 + params.rows * np.dtype(signature_dtype).itemsize + 16 + 24 + 9
+    return {"signature": sig, "band_keys": keys, "band_task": band_task, "all_at_once": sig + keys,
+            "band_by_band": sig + band_task}
 
 
 # --- 4. union-find -------------------------------------------------------------------

@@ -7,8 +7,8 @@
 3. a member is a duplicate when its cosine similarity to any member earlier
    in that order exceeds `1 - eps` (eps 0.01 by default, NeMo Curator's).
 
-Pure NumPy: the pairwise step is one matrix product per cluster, so clusters
-must stay small (`docs_per_cluster`); k-means runs in float32 batches.
+k-means is faiss's (spherical); the pairwise step is one NumPy matrix
+product per cluster, so clusters must stay small (`docs_per_cluster`).
 """
 
 from __future__ import annotations
@@ -23,31 +23,34 @@ REASON = "semantic_dup"
 
 
 def kmeans(x: np.ndarray, k: int, *, iterations: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Spherical k-means (cosine) with k-means++ seeding: (labels, unit centroids)."""
+    """Spherical k-means (cosine) with faiss: (labels, unit centroids).
+
+    `faiss.Kmeans(spherical=True)`: assignment by inner product, centroids
+    re-normalised after every update, empty clusters split from large ones,
+    seeded with AFK-MC2 (a Markov-chain approximation of k-means++; Bachem
+    et al. 2016). It replaced a NumPy k-means++ of our own: on 20,400 and
+    51,000 embeddings with planted near-copies (`bench/dedup.py --kmeans`)
+    it found the same duplicate pairs with 2.4-3x less CPU time, at a
+    mean cosine to the centroid 0.001-0.007 lower. faiss's uniform random
+    seeding is as fast but merges well-separated topics (purity 0.69-0.84
+    where k-means++-style seeding gets 0.97-1.0, tests/test_dedup_filters.py),
+    and its exact k-means++ seeding costs as much as our NumPy one.
+    """
+    import faiss  # the vector store's dependency; imported here so the rest of dedup does not need it
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
     n = len(x)
+    if n == 0:
+        raise ValueError("kmeans needs at least one vector")
     k = max(1, min(k, n))
-    rng = np.random.default_rng(seed)
-    centroids = np.empty((k, x.shape[1]), dtype=np.float32)
-    centroids[0] = x[rng.integers(n)]
-    closest = 1.0 - x @ centroids[0]
-    for i in range(1, k):  # k-means++: far points are likelier seeds
-        weights = np.clip(closest, 0, None) ** 2
-        total = weights.sum()
-        pick = rng.choice(n, p=weights / total) if total > 0 else rng.integers(n)
-        centroids[i] = x[pick]
-        closest = np.minimum(closest, 1.0 - x @ centroids[i])
-    labels = np.zeros(n, dtype=np.int64)
-    for _ in range(iterations):
-        new = np.argmax(x @ centroids.T, axis=1)
-        if _ and np.array_equal(new, labels):
-            break
-        labels = new
-        sums = np.zeros_like(centroids)
-        np.add.at(sums, labels, x)
-        norms = np.linalg.norm(sums, axis=1, keepdims=True)
-        empty = norms[:, 0] == 0
-        centroids = np.where(empty[:, None], centroids, sums / np.where(norms == 0, 1, norms))
-    return labels, centroids
+    # min_points_per_centroid=1: small clusters are what SemDeDup asks for (docs_per_cluster), not a mistake.
+    km = faiss.Kmeans(x.shape[1], k, niter=iterations, spherical=True, seed=seed, verbose=False,
+                      init_method=faiss.ClusteringInitMethod_AFK_MC2,
+                      min_points_per_centroid=1, max_points_per_centroid=max(256, -(-n // k)))
+    km.train(x)
+    _, labels = km.index.search(x, 1)
+    centroids = km.centroids / np.maximum(np.linalg.norm(km.centroids, axis=1, keepdims=True), 1e-12)
+    return labels[:, 0].astype(np.int64), centroids.astype(np.float32)
 
 
 @dataclass

@@ -1,10 +1,16 @@
 """Words, lines, paragraphs and sentences of a whole record batch at once.
 
-The tier-1 heuristics (Gopher, C4, FineWeb) were defined on top of a word
-splitter: datatrove, the reference implementation, uses spaCy's blank English
-tokenizer. Their thresholds only mean what they mean with that notion of a
-word (is `don't` one word or two? is `"Hello,` one word or three?), so this
-module reproduces spaCy's English tokenization rules closely, without
+Two word definitions, because the tier-1 heuristics' sources disagree on
+what a word is (is `don't` one word or two? is `"Hello,` one word or three?):
+
+* the papers' (Gopher, Rae et al. 2021): whitespace-separated words,
+  `BatchText.whitespace_words`, the default of the Gopher filters;
+* datatrove's, the reference implementation FineWeb used: spaCy's blank
+  English tokenizer, where every punctuation mark is a word of its own,
+  `BatchText.words`. FineWeb's own rules were tuned with it, and the Gopher
+  filters use it in datatrove-compatible mode.
+
+This module reproduces spaCy's English tokenization rules closely, without
 needing spaCy and without building a spaCy `Doc` per document:
 
 * A text is cut into whitespace-separated *chunks* (`str.split()`; Arrow's
@@ -42,6 +48,7 @@ import threading
 import unicodedata
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -528,7 +535,8 @@ class _Growable:
 
 
 class _Vocab:
-    def __init__(self) -> None:
+    def __init__(self, split: Callable[[str], list[str]]) -> None:
+        self.split = split
         self.chunks: dict[str, int] = {}
         self.chunk_start = _Growable(np.int64)  # into chunk_tokens
         self.chunk_count = _Growable(np.int32)
@@ -551,7 +559,7 @@ class _Vocab:
                 chunk = chunks[i]
                 cid = self.chunks.get(chunk)
                 if cid is None:  # (a chunk can be new twice in one call only if `chunks` repeats)
-                    pieces = split_chunk(chunk)
+                    pieces = self.split(chunk)
                     for token in pieces:
                         tid = tokens.get(token)
                         if tid is None:
@@ -595,24 +603,33 @@ class Tokens:
         return np.array([self.vocab.tokens[w] for w in words if w in self.vocab.tokens], dtype=np.int32)
 
 
-class WordSplitter:
-    """spaCy-compatible word splitting of Arrow string arrays, with a chunk cache.
+def _whole_chunk(chunk: str) -> list[str]:
+    # Arrow's whitespace split leaves empty chunks at the ends of a text; `str.split()` does not.
+    return [chunk] if chunk else []
 
-    Thread-safe; one instance (`WORDS`) is shared by all filters of a process so
-    that the cache warms once. When the cache holds more than `max_chunks`
-    distinct chunks it starts afresh (token ids are only comparable within
-    one `Tokens`).
+
+class WordSplitter:
+    """Word splitting of Arrow string arrays, with a chunk cache.
+
+    By default words are spaCy English tokens (`split_chunk`); with
+    `spacy=False` a word is a whole whitespace-separated chunk (the Gopher
+    paper's words). Thread-safe; one instance of each (`WORDS`,
+    `WHITESPACE_WORDS`) is shared by all filters of a process so that the
+    cache warms once. When the cache holds more than `max_chunks` distinct
+    chunks it starts afresh (token ids are only comparable within one
+    `Tokens`).
     """
 
-    def __init__(self, max_chunks: int = 1_000_000) -> None:
+    def __init__(self, max_chunks: int = 1_000_000, spacy: bool = True) -> None:
         self.max_chunks = max_chunks
-        self._vocab = _Vocab()
+        self._split = split_chunk if spacy else _whole_chunk
+        self._vocab = _Vocab(self._split)
         self._lock = threading.Lock()
 
     def clear(self) -> None:
         """Forget every chunk seen (the next batches start with a cold cache)."""
         with self._lock:
-            self._vocab = _Vocab()
+            self._vocab = _Vocab(self._split)
 
     def split(self, strings: pa.Array) -> Tokens:
         strings = _as_array(strings)
@@ -621,7 +638,7 @@ class WordSplitter:
         flat = pc.list_flatten(lists)
         with self._lock:
             if len(self._vocab.chunks) > self.max_chunks:
-                self._vocab = _Vocab()
+                self._vocab = _Vocab(self._split)
             vocab = self._vocab
             if len(flat):
                 encoded = pc.dictionary_encode(flat)
@@ -650,6 +667,12 @@ class WordSplitter:
 
 
 WORDS = WordSplitter()
+WHITESPACE_WORDS = WordSplitter(spacy=False)
+
+#: `static.heuristics.words`: how the word-counting rules split words.
+WORDS_PAPER = "paper"
+WORDS_DATATROVE = "datatrove"
+WORD_DEFINITIONS = (WORDS_PAPER, WORDS_DATATROVE)
 
 
 # --- arrays ----------------------------------------------------------------------------
@@ -758,6 +781,19 @@ class BatchText:
     def words(self) -> Tokens:
         """spaCy-compatible words (datatrove's `split_into_words`)."""
         return WORDS.split(self.texts)
+
+    @cached_property
+    def whitespace_words(self) -> Tokens:
+        """Whitespace-separated words (`str.split()`), as the Gopher paper counts them."""
+        return WHITESPACE_WORDS.split(self.texts)
+
+    def words_for(self, definition: str) -> Tokens:
+        """The words of `definition`: "paper" (whitespace) or "datatrove" (spaCy tokens)."""
+        if definition == WORDS_PAPER:
+            return self.whitespace_words
+        if definition == WORDS_DATATROVE:
+            return self.words
+        raise ValueError(f"unknown word definition {definition!r} (expected one of {WORD_DEFINITIONS})")
 
     def count(self, substring: str) -> np.ndarray:
         """Non-overlapping occurrences of `substring` per text (as `str.count`)."""
@@ -891,7 +927,8 @@ def regex_escape_class(chars) -> str:
 
 __all__ = [
     "ratio", "above", "below", "verdicts", "group",
-    "BatchText", "Pieces", "Tokens", "WordSplitter", "WORDS", "batch_text", "split_chunk", "split_words",
+    "BatchText", "Pieces", "Tokens", "WordSplitter", "WORDS", "WHITESPACE_WORDS", "batch_text",
+    "WORDS_PAPER", "WORDS_DATATROVE", "WORD_DEFINITIONS", "split_chunk", "split_words",
     "sentence_counts", "per_row_sum", "bool_array", "split_pieces", "regex_escape_class",
     "TERMINAL_PUNCTUATION", "GOPHER_SYMBOLS", "WS_CLASS", "LINE_BREAK_RE", "SYMBOL", "HAS_ALPHA", "PUNCT",
     "SENT_END", "SPECIAL_CASES",

@@ -79,6 +79,7 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
                                              unmapped(params.io.batch_rows)), "dedup: hash + MinHash")
     corpus = gather(scans)
+    del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
     exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))
     alive = exact_kept == np.arange(len(corpus.ids))
     near_kept = None

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from assay.config import load_params
 from assay.shards import read_manifest
-from assay.stages.domain import STAGE, domain_unit, effective_ratio, load_models, perplexity_band
+from assay.stages.domain import STAGE, domain_unit, load_models, perplexity_band, rule_clean_share
 from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest, summarize
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
@@ -39,9 +39,11 @@ def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     futures = domain_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
                                     unmapped(params), [u.key for u in units], unmapped(band))
     results = wait_with_progress(futures, f"domain → {out}")
-    ratio = effective_ratio(summarize(results))
-    extra = {"effective_code_ratio": ratio,
-             "models": {"domain_model": model, "languages": models.scorer.languages, "perplexity_band": band}}
+    clean = rule_clean_share(summarize(results))
+    screen = params.domain.model
+    extra = {"rule_clean_share": clean,
+             "models": {"domain_model": model, "languages": models.scorer.languages,
+                        "perplexity_screen": [screen.min_perplexity, screen.max_perplexity], "perplexity_band": band}}
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)
 

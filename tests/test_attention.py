@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from training.attention import (
+    decode_step,
     dense_causal_attention,
     dynamic_sparse_attention,
     select_blocks,
@@ -74,6 +75,71 @@ def test_causality(N):
     v2[:, :, i + 1 :] = 100 * torch.randn_like(v2[:, :, i + 1 :])
     out2 = dynamic_sparse_attention(q, k2, v2, window=10, block=8, topk=3)
     torch.testing.assert_close(out2[:, :, : i + 1], out[:, :, : i + 1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("t", [700, 640, 703, 704])
+def test_future_queries_keys_values_leave_the_past_unchanged(t):
+    # The leak this guards against: query blocks once ranked key blocks with the mean of
+    # all their queries, so at t=700 the outputs at 640..699 moved with q at 700..703.
+    # Selection happens here (window + topk * block < N), at every block offset of t.
+    N, window, block, topk = 1024, 64, 64, 2
+    q, k, v = _qkv(B=2, H=4, N=N, D=16, seed=11)
+    out = dynamic_sparse_attention(q, k, v, window=window, block=block, topk=topk)
+    g = torch.Generator().manual_seed(12)
+    for which in ("q", "qkv"):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        for name, x in (("q", q2), ("k", k2), ("v", v2)):
+            if name in which:
+                x[:, :, t:] = 10 * torch.randn(x[:, :, t:].shape, generator=g)
+        out2 = dynamic_sparse_attention(q2, k2, v2, window=window, block=block, topk=topk)
+        torch.testing.assert_close(out2[:, :, :t], out[:, :, :t], atol=0, rtol=0)
+        assert not torch.equal(out2[:, :, t:], out[:, :, t:])
+
+
+def test_selection_uses_no_query_after_the_block_start():
+    # Each query block's selection may depend only on queries at or before its first
+    # position (the earliest member): perturbing q anywhere later leaves it unchanged.
+    N, window, block, topk = 512, 32, 32, 3
+    q, k, _ = _qkv(B=1, H=4, N=N, D=16, seed=13)
+    idx, valid = select_blocks(q, k, window=window, block=block, topk=topk)
+    g = torch.Generator().manual_seed(14)
+    for t in range(1, N, 23):
+        q2 = q.clone()
+        q2[:, :, t:] = 10 * torch.randn(q2[:, :, t:].shape, generator=g)
+        idx2, valid2 = select_blocks(q2, k, window=window, block=block, topk=topk)
+        keep = (t - 1) // block + 1  # blocks whose first position is < t
+        assert torch.equal(valid2[:, :, :keep], valid[:, :, :keep])
+        assert torch.equal(
+            idx2[:, :, :keep][valid[:, :, :keep]], idx[:, :, :keep][valid[:, :, :keep]]
+        )
+
+
+def test_prefix_selects_and_attends_as_the_whole_sequence():
+    # Decoding recomputes (or caches) a prefix: every output of a prefix must equal the
+    # full sequence's output at the same position, for prefixes ending anywhere in a block.
+    N, window, block, topk = 300, 24, 16, 3
+    q, k, v = _qkv(B=1, H=3, N=N, D=8, seed=15)
+    full = dynamic_sparse_attention(q, k, v, window=window, block=block, topk=topk)
+    for n in (1, 15, 16, 17, 64, 100, 161, 250, 299):
+        part = dynamic_sparse_attention(
+            q[:, :, :n], k[:, :, :n], v[:, :, :n], window=window, block=block, topk=topk
+        )
+        torch.testing.assert_close(part, full[:, :, :n], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window,block,topk", [(24, 16, 3), (16, 16, 2), (5, 4, 1), (40, 8, 0)])
+def test_decode_step_from_a_cache_equals_the_full_forward(window, block, topk):
+    # One token at a time, from cached queries, keys and values: the same outputs as the
+    # whole sequence at once, at every position (so also at every block offset).
+    N = 200
+    q, k, v = _qkv(B=2, H=3, N=N, D=8, seed=16)
+    full = dynamic_sparse_attention(q, k, v, window=window, block=block, topk=topk)
+    for i in range(N):
+        step = decode_step(
+            q[:, :, : i + 1], k[:, :, : i + 1], v[:, :, : i + 1],
+            window=window, block=block, topk=topk,
+        )
+        torch.testing.assert_close(step, full[:, :, i : i + 1], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -445,4 +445,141 @@ def test_minhash_recall_and_precision_against_exact_jaccard(vendored):
 
 def test_lsh_memory_per_document():
     mem = minhash.lsh_bytes_per_doc(PARAMS)
-    assert mem == {"signature": 448, "band_keys": 112, "all_at_once": 560, "band_by_band": 464}
+    assert mem == {"signature": 448, "band_keys": 112, "band_task": 89, "all_at_once": 560, "band_by_band": 537}
+
+
+# --- semantic dedup (SemDeDup on embeddings) -------------------------------------------
+
+
+def _clustered_unit_vectors(n=3000, d=64, topics=30, noise=0.15, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((topics, d)).astype(np.float32)
+    topic = rng.integers(topics, size=n)
+    x = centers[topic] / np.sqrt(d) + noise * rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
+    return x / np.linalg.norm(x, axis=1, keepdims=True), topic
+
+
+def test_kmeans_is_faiss_spherical_kmeans():
+    import faiss
+
+    from filters.semantic_dedup import kmeans
+
+    x, _ = _clustered_unit_vectors()
+    labels, centroids = kmeans(x, 30, iterations=10, seed=3)
+    ref = faiss.Kmeans(x.shape[1], 30, niter=10, spherical=True, seed=3, verbose=False, min_points_per_centroid=1,
+                       max_points_per_centroid=256, init_method=faiss.ClusteringInitMethod_AFK_MC2)
+    ref.train(x)
+    _, ref_labels = ref.index.search(x, 1)
+    assert np.array_equal(labels, ref_labels[:, 0])
+    assert np.allclose(np.linalg.norm(centroids, axis=1), 1, atol=1e-5)
+    # Well-separated topics come out as clusters, one topic each (AFK-MC2 seeding, 0.97-1.0 over three
+    # data seeds; faiss's default random seeding merges topics here, purity 0.69-0.84).
+    x, topic = _clustered_unit_vectors(noise=0.05)
+    labels, _ = kmeans(x, 30, iterations=20, seed=0)
+    purity = sum(np.bincount(topic[labels == c]).max() for c in np.unique(labels)) / len(x)
+    assert purity >= 0.95, purity
+    with pytest.raises(ValueError, match="at least one vector"):
+        kmeans(np.empty((0, 8), np.float32), 1, iterations=5, seed=0)
+
+
+def test_semantic_duplicates_finds_planted_copies():
+    from assay.config import SemanticDedupParams
+    from filters.semantic_dedup import semantic_duplicates
+
+    rng = np.random.default_rng(1)
+    x, _ = _clustered_unit_vectors(n=2000, noise=0.3)
+    src = rng.choice(len(x), size=100, replace=False)
+    copies = x[src] + 0.05 * rng.standard_normal((100, x.shape[1])).astype(np.float32) / np.sqrt(x.shape[1])
+    copies /= np.linalg.norm(copies, axis=1, keepdims=True)
+    vectors = np.concatenate([x, copies])
+    result = semantic_duplicates(vectors, SemanticDedupParams(docs_per_cluster=50, eps=0.01))
+    pair_dropped = ~result.keep[src] | ~result.keep[len(x):]
+    assert pair_dropped.mean() >= 0.95, pair_dropped.mean()
+    # The originals are not near one another (cosine < 0.99): only planted pairs may be dropped.
+    dropped = np.flatnonzero(~result.keep)
+    planted = set(src.tolist()) | set(range(len(x), len(vectors)))
+    assert set(dropped.tolist()) <= planted
+    assert np.all(result.duplicate_of[dropped] >= 0) and np.all(result.keep[result.duplicate_of[dropped]])
+
+
+def test_lsh_band_task_memory_is_measured_not_just_the_formula():
+    """One band task of the dedup stage allocates far less than a copy of the signatures (448 B a document):
+    only its band's columns, one key and the sort (traced numpy allocations, peak over the start)."""
+    import tracemalloc
+
+    from assay.stages.dedup import Corpus, band_pairs
+
+    n = 100_000
+    rng = np.random.default_rng(0)
+    sig = rng.integers(0, 2**32 - 1, size=(n, PARAMS.bands * PARAMS.rows), dtype=np.uint32)
+    sig[::50] = sig[1::50]  # some shared buckets
+    corpus = Corpus(ids=None, kinds=None, sources=None, langs=None, paths=None, quality=None, hashes=None,
+                    signatures=sig, shard_of=None)
+    alive = np.ones(n, dtype=bool)
+    params = DedupParams()
+    tracemalloc.start()
+    try:
+        pairs = band_pairs(corpus, alive, 3, params)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(pairs) == n // 50
+    assert peak / n < 200, f"{peak / n:.0f} B a document"
+    mine = minhash.candidate_pairs_for_band(np.arange(n), minhash.band_buckets(sig, 3, PARAMS))
+    assert np.array_equal(pairs, mine)
+
+
+def test_gather_moves_signatures_out_of_the_scans():
+    """The flow keeps its scans after gather; if they kept their signatures too, every one would be held twice."""
+    from assay.stages.dedup import ShardScan, gather
+
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 2**32, size=(m, 112), dtype=np.uint32) for m in (5, 0, 7)]
+    scans = [ShardScan([f"{i}-{j}" for j in range(len(s))], ["text"] * len(s), ["src"] * len(s), ["en"] * len(s),
+                       ["p"] * len(s), np.zeros(len(s)), np.zeros(len(s), np.uint64), s.copy())
+             for i, s in enumerate(shards)]
+    corpus = gather(scans)
+    assert np.array_equal(corpus.signatures, np.concatenate(shards))
+    assert all(s.signatures is None for s in scans)
+    assert list(corpus.shard_of) == [0] * 5 + [2] * 7
+
+
+# --- one-permutation signatures (dedup.minhash.scheme: one_permutation) -----------------------
+
+OPH = MinHashParams(scheme="one_permutation")
+
+
+def test_one_permutation_signatures_definition_and_densification():
+    texts = [p.read_text("utf-8") for p in sorted(STDLIB.glob("*.py"))[:40]] + ["", "one two three", "a b c d e f"]
+    whole = minhash.signatures(texts, OPH)
+    assert np.array_equal(whole, minhash.signatures(texts, OPH, batch_docs=7))  # batching changes nothing
+    assert not np.array_equal(whole, minhash.signatures(texts, PARAMS))  # a different scheme
+    hashes, offsets = minhash.shingles(texts, OPH)
+    num = OPH.bands * OPH.rows
+    mult = minhash._fmix64(np.array([OPH.seed + 0x632BE59BD9B4E019], dtype=np.uint64)) | np.uint64(1)
+    for i in (0, 17, 39):  # long files: every bin filled, each the minimum of its shingles' values
+        g = hashes[offsets[i] : offsets[i + 1]] * mult[0]
+        bins = ((g >> np.uint64(32)) * np.uint64(num)) >> np.uint64(32)
+        ref = np.array([g[bins == k].astype(np.uint32).min() for k in range(num)], dtype=np.uint32)
+        assert np.array_equal(whole[i], ref)
+    assert (whole[40] == minhash.EMPTY).all()  # no words: no signature, no LSH
+    assert len(np.unique(whole[41])) == 1 and whole[41, 0] != minhash.EMPTY  # one shingle fills every bin
+    assert (whole[42] != minhash.EMPTY).all() and len(np.unique(whole[42])) == 2  # two shingles, densified
+    # Densification copies from the same bins in every document: identical sets stay identical.
+    again = minhash.signatures(["a b c d e f", "one two three"], OPH)
+    assert np.array_equal(again, whole[[42, 41]])
+    with pytest.raises(ValueError, match="scheme"):
+        minhash.signatures(["x"], MinHashParams(scheme="nope"))
+
+
+def test_one_permutation_recall_against_exact_jaccard(vendored):
+    labels, texts, hs, so, _ = vendored
+    hashes, offsets = minhash.shingles(texts, OPH)
+    sig = minhash.one_permutation_signatures(hashes, offsets, OPH)
+    truth, sims = minhash.exact_similar_pairs(hs, so, 0.7)
+    roots = minhash.clusters(len(texts), minhash.candidate_pairs(sig, OPH))
+    high = sims >= OPH.threshold
+    recall = (roots[truth[high, 0]] == roots[truth[high, 1]]).mean()
+    est = minhash.estimated_jaccard(sig[truth[:, 0]], sig[truth[:, 1]])
+    assert recall >= 0.95, recall
+    assert abs((est - sims).mean()) < 0.02 and np.abs(est - sims).mean() < 0.05

@@ -50,7 +50,9 @@ def dvc_repo(tmp_path):
                GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8)
+    params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8,
+                          package_records=10, entry_points=5, doc_readmes=10, doc_news=5, doc_changelogs=5,
+                          debian_changelogs=5, doc_copyright=5, dpkg_manifests=10, logs=3)
     params["domain"]["train"].update(n_layer=1, n_head=2, n_embd=32, context=64, steps=20, vocab_size=1000)
     params["domain"]["model"]["window"] = 64
     params["train"].update(vocab_size=300, seq_len=32, batch_size=4, steps=6, checkpoint_every=3, eval_rows=16,
@@ -79,7 +81,7 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     assert list((repo / "data/static/embeddings").glob("part-*.parquet"))
     assert (repo / "models/domain/model.safetensors").is_file()
     domain = json.loads((repo / "data/domain/manifest.json").read_text())
-    assert domain["stage"] == "domain" and domain["effective_code_ratio"]["code_in"] > 0
+    assert domain["stage"] == "domain" and domain["rule_clean_share"]["code_in"] > 0
     dedup = json.loads((repo / "data/dedup/manifest.json").read_text())
     assert dedup["stage"] == "dedup" and dedup["dedup"]["input"] == domain["counts"]["kept"]
     assert dedup["graph"]["documents"] == dedup["dedup"]["input"]

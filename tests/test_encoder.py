@@ -144,3 +144,36 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
     with pytest.raises(AssayError) as info:
         Encoder(EncoderParams(model=str(empty)))
     assert "\n" not in str(info.value) and str(empty) in str(info.value)
+
+
+def test_fused_kernels_give_the_same_embeddings(fp32):
+    """oneDNN linear layers with fused bias/GELU, and no mask on unpadded batches, change nothing that matters."""
+    import torch
+
+    docs = varied_documents(50) + [t for t in pydoc_texts() if len(t) > 3000][:12]  # a batch that fills the window
+    plain32 = Encoder(EncoderParams(precision="fp32"), fused_kernels=False)
+    assert fp32.fused == torch.backends.mkldnn.is_available() and not plain32.fused
+    np.testing.assert_allclose(fp32.encode(docs), plain32.encode(docs), atol=2e-5)
+    fused16 = Encoder(EncoderParams(precision="bf16"))
+    plain16 = Encoder(EncoderParams(precision="bf16"), fused_kernels=False)
+    assert cosines(fused16.encode(docs), plain16.encode(docs)).min() >= 0.9999
+    assert cosines(fused16.encode(docs), fp32.encode(docs)).min() >= 0.999
+
+
+def test_fused_layers_still_train_and_save(fp32, tmp_path):
+    """Fine-tuning runs with gradients (the original forward); the saved weights are the model's own."""
+    import torch
+
+    encoder = Encoder(EncoderParams(precision="fp32"))
+    assert encoder.fused or not torch.backends.mkldnn.is_available()
+    keys = set(encoder.model.state_dict())
+    batch = encoder.tokenizer(["Some text to train on.", "And a second, longer piece of text."], padding=True, return_tensors="pt")
+    with torch.enable_grad():
+        loss = encoder.model(**batch).last_hidden_state.pow(2).mean()
+        loss.backward()
+    grads = [p.grad for name, p in encoder.model.named_parameters() if "intermediate.dense" in name]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    encoder.model.save_pretrained(tmp_path / "saved")
+    from transformers import AutoModel
+
+    assert set(AutoModel.from_pretrained(tmp_path / "saved").state_dict()) == keys

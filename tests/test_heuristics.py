@@ -8,11 +8,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from assay.config import C4Params, FineWebQualityParams, GopherQualityParams, GopherRepetitionParams, HeuristicsParams
+from assay.config import (
+    C4Params,
+    FineWebQualityParams,
+    GopherQualityParams,
+    GopherRepetitionParams,
+    HeuristicsParams,
+    params_from_dict,
+)
+from assay.errors import AssayError
 from filters.c4 import C4Filter
 from filters.fineweb import FineWebQualityFilter
 from filters.gopher import GopherQualityFilter, GopherRepetitionFilter
-from filters.heuristics import apply_chain, build_heuristics
+from filters.heuristics import apply_by_source, apply_chain, build_heuristics, check_source_rules
 from filters.text_units import WordSplitter, batch_text, sentence_counts, split_words
 
 # --- documents -------------------------------------------------------------------
@@ -151,11 +159,64 @@ def test_gopher_quality_too_many_words_and_disabled_rules():
     assert verdict(GopherQualityFilter(params), text) is None
 
 
-def test_gopher_quality_counts_symbol_only_words_separately():
-    result = GopherQualityFilter().apply(batch(prose(60) + " ... -- ! ?"))
+def test_gopher_quality_counts_symbol_only_words_separately_in_datatrove_mode():
+    result = GopherQualityFilter(words="datatrove").apply(batch(prose(60) + " ... -- ! ?"))
     scores = {k.split(":")[1]: v[0] for k, v in result.scores.items()}
     assert scores["word_count"] == 60  # line-final "." tokens and "...", "--", "!", "?" are not words
     assert scores["alpha_words_frac"] < 1.0
+
+
+def test_gopher_quality_counts_whitespace_words_by_default():
+    text = prose(60) + " ... -- ! ?"
+    result = GopherQualityFilter().apply(batch(text))
+    scores = {k.split(":")[1]: v[0] for k, v in result.scores.items()}
+    assert scores["word_count"] == len(text.split()) == 64  # the paper's words: "... -- ! ?" are 4 of them
+    assert scores["alpha_words_frac"] == pytest.approx(60 / 64)
+    assert scores["mean_word_length"] == pytest.approx(sum(map(len, text.split())) / 64)
+
+
+#: A real paragraph of prose: /usr/share/doc/base-files/README (Debian), GPL.
+README_PARAGRAPH = """A. I delegate such decisions to the policy group. If you want to
+propose a new license you should make a policy proposal to modify the
+paragraph in policy saying "Packages distributed under the Apache
+license (version 2.0), the Artistic license, the GNU GPL (versions 1,
+2, or 3), the GNU LGPL (versions 2, 2.1, or 3), and the GNU FDL
+(versions 1.2 or 1.3) should refer to the corresponding files under
+/usr/share/common-licenses". The way of doing this is explained in the
+debian-policy package. As usual, you should always take a look at
+already reported bugs against debian-policy before submitting a new
+one."""
+
+
+def test_real_readme_prose_is_kept_under_the_papers_word_count():
+    """Punctuation is not a word (Rae et al. 2021): this README paragraph has 91% words with a letter."""
+    paper = GopherQualityFilter(words="paper").apply(batch(README_PARAGRAPH))
+    assert paper.reason == [None]
+    assert paper.scores["gopher_quality:alpha_words_frac"][0] == pytest.approx(
+        sum(any(c.isalpha() for c in w) for w in README_PARAGRAPH.split()) / len(README_PARAGRAPH.split()))
+    # datatrove's spaCy tokens make every "(", ",", "." a word without a letter: 73% < 80%.
+    datatrove = GopherQualityFilter(words="datatrove").apply(batch(README_PARAGRAPH))
+    assert datatrove.reason == ["gopher_quality:alpha_words_frac"]
+    assert datatrove.scores["gopher_quality:alpha_words_frac"][0] < 0.8
+    # The default chain follows the paper.
+    assert build_heuristics(HeuristicsParams())[1].words == "paper"
+    assert HeuristicsParams().words == "paper"
+
+
+def test_repetition_ngrams_follow_the_word_definition():
+    # ", and the" repeats as spaCy tokens, not as whitespace words ("x, and the" differs per x).
+    text = " ".join(f"{w}, and the {w}s." for w in WORDS[:40])
+    paper = GopherRepetitionFilter(words="paper").apply(batch(text))
+    datatrove = GopherRepetitionFilter(words="datatrove").apply(batch(text))
+    assert (paper.scores["gopher_repetition:top_3_gram_char_frac"][0]
+            < datatrove.scores["gopher_repetition:top_3_gram_char_frac"][0])
+
+
+def test_an_unknown_word_definition_is_an_error():
+    with pytest.raises(ValueError, match="words must be"):
+        GopherQualityFilter(words="spacy")
+    with pytest.raises(AssayError, match="static.heuristics.words"):
+        params_from_dict({"static": {"heuristics": {"words": "spacy"}}})
 
 
 # --- Gopher repetition ------------------------------------------------------------
@@ -364,3 +425,61 @@ def test_a_table_with_several_chunks_is_accepted():
     table = pa.concat_tables([pa.Table.from_batches([batch(GOOD)]), pa.Table.from_batches([batch(prose(30))])])
     result = apply_chain(build_heuristics(), table)
     assert result.reason == [None, "gopher_quality:word_count"]
+
+
+# --- switches -----------------------------------------------------------------------------
+
+
+def test_null_turns_a_single_rule_off_from_params():
+    """`null` in params.yaml turns one rule off (the docs' promise), for every filter."""
+    on = params_from_dict({}).static.heuristics
+    off = params_from_dict({"static": {"heuristics": {
+        "gopher_quality": {"min_alpha_words_ratio": None, "min_stop_words": None},
+        "gopher_repetition": {"dup_line_frac": None, "top_n_grams": {2: None, 3: 0.18, 4: 0.16}},
+        "c4": {"min_num_sentences": None, "min_words_per_line": None, "max_word_length": None},
+        "fineweb_quality": {"line_punct_thr": None, "short_line_thr": None, "new_line_ratio": None},
+    }}}).static.heuristics
+    assert off.gopher_quality.min_alpha_words_ratio is None and off.gopher_repetition.top_n_grams[2] is None
+    numbers = prose(60) + "\n" + " ".join(str(1000 + i) for i in range(40))
+    assert verdict(GopherQualityFilter(on.gopher_quality), numbers) == "gopher_quality:alpha_words_frac"
+    assert verdict(GopherQualityFilter(off.gopher_quality), numbers) is None
+    assert verdict(GopherQualityFilter(off.gopher_quality), prose(80, stop=False)) is None
+    lines = "\n".join(["the same line repeats and repeats here"] * 5 + [prose(60)])
+    assert verdict(GopherRepetitionFilter(on.gopher_repetition), lines) == "gopher_repetition:dup_line_frac"
+    assert verdict(GopherRepetitionFilter(off.gopher_repetition), lines) != "gopher_repetition:dup_line_frac"
+    pairs = " ".join(["hello world"] * 60)
+    assert verdict(GopherRepetitionFilter(on.gopher_repetition), pairs).startswith("gopher_repetition:")
+    off_pairs = dataclasses.replace(off.gopher_repetition, dup_line_frac=0.3, top_n_grams={2: None},
+                                    dup_n_grams={})
+    assert verdict(GopherRepetitionFilter(off_pairs), pairs) is None
+    short = "One short line here.\nAnother one."
+    assert verdict(C4Filter(on.c4), short) == "c4:too_few_sentences"
+    assert verdict(C4Filter(off.c4), short) is None
+    listing = "\n".join(f"item {i}" for i in range(40))
+    assert verdict(FineWebQualityFilter(on.fineweb_quality), listing) == "fineweb_quality:line_punct_ratio"
+    assert verdict(FineWebQualityFilter(off.fineweb_quality), listing) is None
+
+
+def test_source_rules_choose_filters_per_source_and_never_none():
+    filters = build_heuristics()
+    code = "def f(x):\n    return {x: x}\n" * 3
+    text_with_brace = GOOD + "\nUse {braces} sparingly, as the style guide of the project says."
+    b = pa.record_batch({
+        "id": pa.array(["a", "b", "c"]),
+        "text": pa.array([text_with_brace, text_with_brace, code], pa.large_string()),
+        "kind": pa.array(["text", "text", "code"]),
+        "source": pa.array(["web", "docs", "docs"]),
+    })
+    result = apply_by_source(filters, b, {"docs": ["gopher_repetition", "gopher_quality"]})
+    assert result.reason == ["c4:curly_bracket", None, None]  # the docs source is judged by Gopher only
+    assert np.isnan(result.scores["c4:sentences"][1]) and not np.isnan(result.scores["c4:sentences"][0])
+    assert not np.isnan(result.scores["gopher_quality:word_count"][1])
+    assert apply_by_source(filters, b, {}).reason == apply_chain(filters, b).reason
+    with pytest.raises(ValueError, match="no enabled heuristic filter"):
+        check_source_rules([f for f in filters if f.name != "c4"], {"docs": ["c4"]})
+    with pytest.raises(ValueError, match="unknown filter"):
+        check_source_rules(filters, {"docs": ["gopher"]})
+    with pytest.raises(AssayError, match="at least one heuristic filter"):
+        params_from_dict({"static": {"source_rules": {"docs": []}}})
+    with pytest.raises(AssayError, match="unknown filter"):
+        params_from_dict({"static": {"source_rules": {"docs": ["c5"]}}})

@@ -3,10 +3,19 @@
 The sample is built from files every machine with Assay has (the demo
 corpus's sources, see bench/heuristics.py): the Python reference topics,
 installed packages' METADATA, man pages of man1 rendered with `man` (skipped
-without it) and stdlib .py/.txt files. For each of the four filters, our
-keep/drop verdict must agree with datatrove's (with FineWeb's settings:
-C4 without the terminal-punctuation rule) on at least 99% of documents.
-Each filter is compared on its own, on the original text.
+without it), stdlib .py/.txt files, and long English prose that the filters
+mostly keep (README and NEWS files under /usr/share/doc, and the long
+descriptions of the METADATA files), so agreement is also tested where
+verdicts are close calls. Our filters run in datatrove-compatible mode
+(`words: datatrove`; the default follows the papers, see ARCHITECTURE.md).
+
+What is asserted: for each of the four filters, our keep/drop verdict
+agrees with datatrove's (with FineWeb's settings: C4 without the
+terminal-punctuation rule) on at least 99% of the documents, and on at
+least 98% of the long prose alone; each filter is compared on its own, on
+the original text, and must drop a real share, and keep a real share, of
+the sample. The measured per-filter table is in BENCHMARKS.md
+(`bench/heuristics.py --agreement`).
 
 Deliberate differences, none of which changes a verdict on this sample:
 - C4: datatrove rewrites the text (drops lines); we never do, and only
@@ -31,6 +40,7 @@ import pytest
 pytest.importorskip("datatrove")
 pytest.importorskip("spacy")
 
+from assay.config import HeuristicsParams  # noqa: E402
 from filters.heuristics import build_heuristics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,16 +53,17 @@ FILTERS = ["gopher_quality", "gopher_repetition", "c4", "fineweb_quality"]
 
 @pytest.fixture(scope="module")
 def sample():
-    docs = bench.demo_sample(man_pages=100, metadata=120, stdlib=30, max_chars=60_000)
+    docs = bench.demo_sample(man_pages=100, metadata=120, stdlib=30, readmes=100, descriptions=80, max_chars=60_000)
     sources = Counter(source for source, _, _ in docs)
     assert sources["pydoc"] >= 50 and sources["metadata"] >= 20 and sources["stdlib"] >= 20, sources
+    assert sources["readme"] + sources["description"] >= 100, sources
     return docs
 
 
 @pytest.fixture(scope="module")
 def ours(sample):
     batch = bench.to_batch(sample)
-    return {f.name: f.apply(batch) for f in build_heuristics()}
+    return {f.name: f.apply(batch) for f in build_heuristics(HeuristicsParams(words="datatrove"))}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +80,10 @@ def test_verdicts_agree_with_datatrove(name, sample, ours, theirs):
     details = [(sample[i][0], sample[i][1], "ours: " + str(mine.reason[i]), "datatrove keeps: " + str(theirs[name][i]))
                for i in differ[:10]]
     assert agreement >= 0.99, (name, agreement, details)
-    # Both sides drop a real share of these documents, so agreement is not trivial.
-    assert 0 < np.mean(~theirs[name]) < 1
+    prose = np.array([source in ("readme", "description") for source, _, _ in sample])
+    assert np.mean(mine.keep[prose] == theirs[name][prose]) >= 0.98, name
+    # Both sides drop, and keep, a real share of these documents, so agreement is not trivial.
+    assert 0.05 < np.mean(~theirs[name]) < 0.95, np.mean(~theirs[name])
 
 
 def test_words_agree_with_spacy(sample):

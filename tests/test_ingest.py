@@ -14,7 +14,8 @@ from assay.schema import document_id
 from assay.shards import iter_batches, read_manifest
 from corpus import LATIN1_TEXT, write_jsonl_gz
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+#: Tests that run the Prefect flow; the reader tests below call the reader directly.
+needs_flow = pytest.mark.usefixtures("prefect_harness")
 
 
 def ingest(sources, out, **kwargs):
@@ -38,6 +39,7 @@ def quarantine(out) -> dict[str, dict]:
     return {row["path"]: row for row in pq.read_table(folder).to_pylist()}
 
 
+@needs_flow
 def test_bad_input_is_quarantined_and_no_good_record_is_lost(bad_corpus, tmp_path):
     out = tmp_path / "raw"
     manifest = ingest([bad_corpus["tree"], bad_corpus["jsonl"]], out)
@@ -83,6 +85,7 @@ def test_bad_input_is_quarantined_and_no_good_record_is_lost(bad_corpus, tmp_pat
     assert read_manifest(out)["counts"] == counts
 
 
+@needs_flow
 def test_jsonl_fields_fill_columns_and_meta(bad_corpus, tmp_path):
     out = tmp_path / "raw"
     ingest([bad_corpus["jsonl"]], out)
@@ -95,6 +98,7 @@ def test_jsonl_fields_fill_columns_and_meta(bad_corpus, tmp_path):
     assert json.loads(f["meta"]) == {"stars": 3}
 
 
+@needs_flow
 def test_jsonl_gz_and_custom_fields(tmp_path):
     path = write_jsonl_gz(tmp_path / "data.jsonl.gz", [
         {"doc": "alpha", "body": "The first body of text, which is long enough.", "source": "web", "lang": "en"},
@@ -107,6 +111,7 @@ def test_jsonl_gz_and_custom_fields(tmp_path):
     assert (docs["beta"]["kind"], docs["beta"]["lang"]) == ("code", "rust")
 
 
+@needs_flow
 def test_parquet_is_checked_by_batch(tmp_path):
     table = pa.table({
         "content": ["A fine document with several words in it.", "", None, "x" * 2000, "nul\x00byte", "import os\n"],
@@ -129,12 +134,14 @@ def test_parquet_is_checked_by_batch(tmp_path):
     assert manifest["counts"]["input_records"] == 6
 
 
+@needs_flow
 def test_parquet_without_the_text_field_is_a_clear_error(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "in.parquet")
     with pytest.raises(AssayError, match="no text field 'text'.*body"):
         ingest([tmp_path / "in.parquet"], tmp_path / "raw")
 
 
+@needs_flow
 def test_hugging_face_save_to_disk_and_load_dataset(tmp_path):
     import datasets
 
@@ -151,6 +158,7 @@ def test_hugging_face_save_to_disk_and_load_dataset(tmp_path):
     assert sorted(json.loads(d["meta"]).get("label", -1) for d in docs) == [-1, -1, 0, 1]
 
 
+@needs_flow
 def test_directory_walk_skips_and_symlinks(tmp_path):
     root = tmp_path / "repo"
     for folder in ("pkg", ".git", "node_modules/x", "__pycache__", ".venv/lib"):
@@ -173,6 +181,7 @@ def test_directory_walk_skips_and_symlinks(tmp_path):
     assert manifest["counts"]["skipped"]["skipped_dir"] == 4
 
 
+@needs_flow
 def test_ids_are_stable_across_runs_and_locations(bad_corpus, tmp_path):
     first = ingest([bad_corpus["tree"]], tmp_path / "one")
     moved = tmp_path / "elsewhere" / "corpus"
@@ -184,6 +193,7 @@ def test_ids_are_stable_across_runs_and_locations(bad_corpus, tmp_path):
     assert document_id("corpus", "src/app.py") in ids_one
 
 
+@needs_flow
 def test_rerun_is_a_no_op_and_other_inputs_need_overwrite(bad_corpus, tmp_path):
     out = tmp_path / "raw"
     first = ingest([bad_corpus["tree"]], out)
@@ -195,6 +205,7 @@ def test_rerun_is_a_no_op_and_other_inputs_need_overwrite(bad_corpus, tmp_path):
     assert replaced["sources"] == [str(bad_corpus["jsonl"])]
 
 
+@needs_flow
 def test_refuses_to_write_into_a_folder_that_is_not_a_dataset(bad_corpus, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("precious\n")
@@ -202,6 +213,7 @@ def test_refuses_to_write_into_a_folder_that_is_not_a_dataset(bad_corpus, tmp_pa
         ingest([bad_corpus["tree"]], tmp_path / "mine")
 
 
+@needs_flow
 def test_a_killed_run_resumes_from_finished_tasks(bad_corpus, tmp_path):
     """Finish the run, then fake a crash after the first task by rebuilding its staging state."""
     from assay.config import load_params
@@ -234,6 +246,7 @@ def test_a_killed_run_resumes_from_finished_tasks(bad_corpus, tmp_path):
     assert manifest["counts"]["documents"] == clean["counts"]["documents"]
 
 
+@needs_flow
 def test_missing_and_unknown_sources_are_errors(tmp_path):
     with pytest.raises(AssayError, match="nope: no such file or directory"):
         ingest([tmp_path / "nope"], tmp_path / "raw")
@@ -242,6 +255,7 @@ def test_missing_and_unknown_sources_are_errors(tmp_path):
         ingest([tmp_path / "data.csv"], tmp_path / "raw")
 
 
+@needs_flow
 def test_show_and_why(bad_corpus, tmp_path):
     out = tmp_path / "raw"
     ingest([bad_corpus["tree"]], out)
@@ -252,3 +266,268 @@ def test_show_and_why(bad_corpus, tmp_path):
     story = why(bad, [out])
     assert [(s["stage"], s["kept"], s["reason"]) for s in story] == [("ingest", False, "invalid:binary")]
     assert find_document(out, "no-such-id") is None
+
+
+# --- JSON lines: Arrow blocks against the line-by-line reference ----------------------------
+
+MAX_BYTES = 1000  # small, so that too-large texts and too-long lines are cheap to write
+
+
+def dirty_lines() -> list[bytes]:
+    """One line of every kind the JSONL reader must judge; (comment) what `parse_line` makes of it."""
+    dumps = lambda record: json.dumps(record).encode()  # noqa: E731
+    return [
+        dumps({"id": "a1", "text": "A plain record with a few words.", "url": "https://example.org/a"}),
+        dumps({"text": "No id: one from the source and line.", "score": 1}),  # meta int
+        dumps({"text": "A float score.", "score": 2.5}),  # same field, float: Arrow makes the column double
+        dumps({"text": "An integer written as a float.", "score": 3.0}),
+        dumps({"id": 7, "text": "An integer id.", "tags": ["x", "y"], "nested": {"a": [1, None, {"b": 2}]}}),
+        dumps({"id": 1.5, "text": "A float id: str() of a float."}),
+        dumps({"id": True, "text": "A bool id."}),
+        dumps({"id": "", "text": "An empty id falls back."}),
+        dumps({"id": None, "text": "A null id falls back.", "x": None}),  # explicit null goes to meta
+        dumps({"text": "Null inside meta.", "meta": {"a": 1, "b": {"c": None}}}),
+        dumps({"text": "Meta merged.", "meta": {"stars": 3, "lic": "mit"}, "path": "pkg/mod.py"}),
+        dumps({"text": "Meta clashes with a field.", "meta": {"x": 1}, "x": 2}),
+        dumps({"text": "Meta is a string.", "meta": "just a string"}),
+        dumps({"text": "Dates stay strings.", "date": "2020-01-01", "when": {"t": "2021-02-03T04:05:06Z"}}),
+        dumps({"text": "Empty source goes to meta.", "source": "", "kind": 5, "lang": None}),
+        dumps({"text": "fn main() {}\n", "kind": "code", "lang": "rust", "source": "elsewhere"}),
+        dumps({"text": "#!/bin/sh\necho hi\n", "path": ""}),
+        dumps({"text": "Unicode: café, 東京, emoji \U0001F600, NBSP\u00a0here."}, ),
+        json.dumps({"text": "Not ASCII-escaped: café 東京."}, ensure_ascii=False).encode(),
+        dumps({"text": "A NUL \u0000 inside the text."}),  # invalid:binary
+        dumps({"text": "An escaped backslash before u0000: \\u0000 is text."}),
+        b'{"text": "A lone surrogate \\ud800 here."}',  # invalid:encoding
+        b'{"text": "A surrogate pair \\ud83d\\ude00 is fine."}',
+        b'{"text": "NaN in meta", "v": NaN}',
+        b'{"text": "-NaN is not JSON", "v": -NaN}',  # invalid:json (Arrow reads it)
+        b'{"text": "Infinity", "v": Infinity, "w": -Infinity}',
+        b'{"text": "Too big for a double", "v": 1e400}',
+        b'{"text": "A big integer", "v": 1180591620717411303424}',
+        b'{"text": "two objects"}{"text": "on one line"}',  # invalid:json
+        b'{"text": "duplicate key", "k": 1, "k": 2}',  # Python keeps the last
+        b'\xef\xbb\xbf{"text": "A byte-order mark starts this line."}',
+        b'   {"text": "Leading spaces."}',
+        b"",  # blank
+        b"  \t ",  # blank
+        b"\x0c",  # blank (bytes.strip removes form feed)
+        "\u00a0\u3000".encode(),  # only Unicode whitespace: invalid:empty
+        b"[1, 2, 3]",  # invalid:record
+        b'"a string"',
+        b"42",
+        b"null",
+        b'{"text": "missing the closing brace"',  # invalid:json
+        b"this line is not JSON at all",
+        "Caf\u00e9 cr\u00e8me: latin-1 bytes, no JSON".encode("latin-1"),  # invalid:json after decoding
+        '{"text": "caf\u00e9 in latin-1, valid JSON"}'.encode("latin-1"),  # a document, meta.encoding
+        b"\x89PNG\r\x1a\x00\x00\x00\rIHDR" + bytes(range(1, 9)) * 4,  # invalid:binary
+        b'{"text": "DEL bytes \x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f"}',  # invalid:binary (>10% control)
+        b'{"text": "one DEL \x7f is fine, though"}',
+        b'{"text": "a raw\ttab in a string"}',  # invalid:json (strict)
+        b'{"text": "ctrl \x01 in a string"}',  # invalid:json
+        b'{"body": "no text field"}',  # invalid:record
+        b'{"text": 5}',  # invalid:record, a number
+        b'{"text": ["a list"]}',
+        b'{"text": {"an": "object"}}',
+        b'{"text": null}',  # invalid:record, missing
+        b'{"text": ""}',  # invalid:empty
+        '{"text": " \\u3000\\n\\t\\u001c "}'.encode(),  # invalid:empty (Unicode whitespace)
+        dumps({"text": "x" * (MAX_BYTES + 1)}),  # invalid:too_large (the text)
+        dumps({"text": "é" * (MAX_BYTES // 2 + 1)}),  # too large in UTF-8 bytes, not characters
+        dumps({"text": "y" * 70_000}),  # longer than the line limit: too_large, not loaded
+        b'{"text": "CRLF line ending"}\r',
+        b'{"text": "empty key and object", "": 1, "o": {}, "l": [], "ln": [null]}',
+        b'{"\\u0074ext": "An escaped key name is still the text field."}',
+        b'{"text": "deep", "d": [[{"a": [1.5, 2]}], []]}',
+        b'{"text": "list of objects with a missing key", "d": [{"a": 1}, {"b": 2}]}',
+    ]
+
+
+def write_dirty(path: Path, repeat: int = 3) -> Path:
+    """The dirty lines, repeated with good lines between them so that blocks split them differently."""
+    out = []
+    for copy in range(repeat):
+        for i, line in enumerate(dirty_lines()):
+            out.append(line)
+            for j in range(copy + i % 3):
+                record = {"id": f"g{copy}-{i}-{j}", "text": f"Good line {j} after {i}, copy {copy}."}
+                if (i + j) % 4 == 0:
+                    record["id"] = copy * 1000 + i * 10 + j  # ids change type between blocks
+                if (i + j) % 5 == 0:
+                    record["extra"] = {"n": j, "f": j + 0.5} if j % 2 else f"s{j}"  # and other fields too
+                out.append(json.dumps(record).encode())
+    path.write_bytes(b"\n".join(out) + b"\n")
+    return path
+
+
+def read_dataset(out: Path) -> dict:
+    from assay.shards import iter_batches
+
+    def rows(folder: Path) -> list[dict]:
+        return pq.read_table(folder).to_pylist() if folder.exists() else []
+
+    return {
+        "documents": [row for batch in iter_batches(out) for row in batch.to_pylist()],
+        "quarantine": rows(Path(out) / "quarantine"),
+        "decisions": sorted(rows(Path(out) / "decisions"), key=lambda r: (r["id"], r["kept"])),
+    }
+
+
+def run_reader(path: Path, out: Path, parser: str, **options) -> tuple[dict, dict]:
+    """Ingest one JSONL file with the chosen parser, without Prefect; (dataset, unit counts)."""
+    import dataclasses
+
+    from assay.config import params_from_dict
+    from assay.ingest import fingerprint, manifest_for, options_from_params
+    from assay.ingest.plan import plan, unit_key
+    from assay.ingest.readers import ingest_unit
+    from assay.staging import commit, prepare
+
+    params = params_from_dict({"ingest": {"max_bytes": MAX_BYTES}})
+    opts = dataclasses.replace(options_from_params(params), jsonl_parser=parser, **options)
+    units = plan([str(path)], opts)
+    prepare(out, fingerprint(units, opts, params), overwrite=True)
+    results = [ingest_unit(i, u, str(out), opts) for i, u in enumerate(units)]
+    commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest_for([str(path)], units, opts, params, results, 1.0))
+    counts: dict = {}
+    for result in results:
+        for key, n in result.counts.items():
+            counts[key] = counts.get(key, 0) + n
+    return read_dataset(out), counts
+
+
+def without_parser_counts(counts: dict) -> dict:
+    return {k: v for k, v in counts.items() if not k.startswith("jsonl_lines_")}
+
+
+@pytest.mark.parametrize("block_bytes", [300, 4096, 4 * 2**20])
+def test_arrow_blocks_give_what_the_line_reader_gives(tmp_path, block_bytes):
+    path = write_dirty(tmp_path / "dirty.jsonl")
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines")
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=block_bytes)
+    assert fast["documents"] == reference["documents"]  # same rows, same order, same meta
+    assert fast["quarantine"] == reference["quarantine"]
+    assert fast["decisions"] == reference["decisions"]
+    assert without_parser_counts(counts) == without_parser_counts(ref_counts)
+    if block_bytes > 4096:  # Python reads fewer lines than there are dirty ones (tiny blocks give up sooner)
+        assert counts["jsonl_lines_python"] < 3 * len(dirty_lines()) < counts["jsonl_lines_arrow"]
+
+
+def test_jsonl_gz_and_a_truncated_gz_read_alike(tmp_path):
+    import gzip
+
+    data = write_dirty(tmp_path / "dirty.jsonl", repeat=2).read_bytes()
+    whole = gzip.compress(data)
+    (tmp_path / "whole.jsonl.gz").write_bytes(whole)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) * 2 // 3])
+    for name in ("whole.jsonl.gz", "cut.jsonl.gz"):
+        reference, ref_counts = run_reader(tmp_path / name, tmp_path / f"lines-{name}", "lines")
+        fast, counts = run_reader(tmp_path / name, tmp_path / f"arrow-{name}", "arrow", jsonl_block_bytes=2048)
+        assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert any(r["reason"] == "invalid:io" and "reading stopped" in r["detail"] for r in fast["quarantine"])
+    plain, _ = run_reader(tmp_path / "dirty.jsonl", tmp_path / "plain", "arrow")
+    whole_gz, _ = run_reader(tmp_path / "whole.jsonl.gz", tmp_path / "gz", "arrow")
+    assert [d["text"] for d in whole_gz["documents"]] == [d["text"] for d in plain["documents"]]
+
+
+def test_each_bad_line_is_quarantined_alone_with_its_number(tmp_path):
+    lines = dirty_lines()
+    path = tmp_path / "once.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    data, counts = run_reader(path, tmp_path / "out", "arrow")
+    number = {line: i + 1 for i, line in reversed(list(enumerate(lines)))}
+    bad = {int(r["path"].rsplit(":", 1)[1]): r for r in data["quarantine"]}
+
+    def reason(line: bytes) -> str:
+        return bad[number[line]]["reason"]
+
+    expected = {
+        b'{"text": "A lone surrogate \\ud800 here."}': "invalid:encoding",
+        b'{"text": "-NaN is not JSON", "v": -NaN}': "invalid:json",
+        b'{"text": "two objects"}{"text": "on one line"}': "invalid:json",
+        b"[1, 2, 3]": "invalid:record", b'"a string"': "invalid:record", b"42": "invalid:record", b"null": "invalid:record",
+        b'{"text": "missing the closing brace"': "invalid:json", b"this line is not JSON at all": "invalid:json",
+        b'{"text": "a raw\ttab in a string"}': "invalid:json", b'{"text": "ctrl \x01 in a string"}': "invalid:json",
+        b'{"body": "no text field"}': "invalid:record", b'{"text": 5}': "invalid:record",
+        b'{"text": null}': "invalid:record", b'{"text": ""}': "invalid:empty",
+        "\u00a0\u3000".encode(): "invalid:empty",
+        b'{"text": "DEL bytes \x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f\x7f"}': "invalid:binary",
+        b'{"text": "Too big for a double", "v": 1e400}': None,  # Python reads inf: kept
+    }
+    for line, want in expected.items():
+        if want is None:
+            assert number[line] not in bad
+        else:
+            assert reason(line) == want, line
+            assert bad[number[line]]["raw"].rstrip(b"\n") == line  # the raw bytes, to fix and re-ingest
+            assert f"line {number[line]}" in bad[number[line]]["detail"]
+    too_long = bad[number[json.dumps({"text": "y" * 70_000}).encode()]]
+    assert too_long["reason"] == "invalid:too_large" and too_long["raw"] is None
+    assert bad[number[json.dumps({"text": "x" * (MAX_BYTES + 1)}).encode()]]["reason"] == "invalid:too_large"
+    assert "text contains NUL" in bad[number[json.dumps({"text": "A NUL \u0000 inside the text."}).encode()]]["detail"]
+    assert counts["blank_lines"] == 3
+    assert len(bad) == counts["quarantined"] and len(data["documents"]) + len(bad) + 3 == len(lines)
+
+    docs = {d["path"]: d for d in data["documents"]}
+    meta = {int(p.rsplit(":", 1)[1]): json.loads(d["meta"]) for p, d in docs.items() if ":" in p}
+    assert meta[2] == {"score": 1} and meta[3] == {"score": 2.5} and meta[4] == {"score": 3.0}
+    assert json.dumps(meta[4]) == '{"score": 3.0}' and json.dumps(meta[2]) == '{"score": 1}'
+    assert meta[9] == {"x": None} and meta[10] == {"a": 1, "b": {"c": None}}
+    assert meta[12] == {"x": 2} and meta[14] == {"date": "2020-01-01", "when": {"t": "2021-02-03T04:05:06Z"}}
+    assert meta[15] == {"source": "", "kind": 5, "lang": None}
+    assert docs["pkg/mod.py"]["lang"] == "python" and json.loads(docs["pkg/mod.py"]["meta"]) == {"stars": 3, "lic": "mit"}
+    by_text = {d["text"]: d for d in data["documents"]}
+    assert by_text["An integer id."]["id"] == "7" and by_text["A float id: str() of a float."]["id"] == "1.5"
+    assert by_text["A bool id."]["id"] == "True"
+    assert json.loads(by_text["caf\u00e9 in latin-1, valid JSON"]["meta"])["encoding"] in ("cp1252", "latin_1", "iso8859_15")
+    assert by_text["An escaped key name is still the text field."]
+
+
+def test_clean_input_never_falls_back_to_python(tmp_path):
+    records = [{"id": f"d{i}", "text": f"Document {i} with some words.", "path": f"f{i}.py" if i % 3 else f"f{i}.md",
+                "url": f"https://example.org/{i}", "meta": {"stars": i}} for i in range(2000)]
+    for i in range(0, 2000, 7):
+        del records[i]["url"]  # fields vary between lines
+    path = tmp_path / "clean.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=16384)
+    reference, _ = run_reader(path, tmp_path / "lines", "lines")
+    assert fast == reference
+    assert counts["jsonl_lines_python"] == 0 and counts["jsonl_lines_arrow"] == 2000
+
+
+def test_an_unknown_jsonl_parser_is_a_clear_error():
+    from assay.ingest.plan import IngestOptions
+
+    with pytest.raises(AssayError, match="jsonl_parser must be one of arrow, lines"):
+        IngestOptions(jsonl_parser="simdjson")
+
+
+def test_the_whitespace_set_is_pythons():
+    from assay.ingest.jsonl import PY_WHITESPACE
+
+    assert set(PY_WHITESPACE) == {chr(c) for c in range(0x110000) if chr(c).isspace()}
+
+
+EDGE_FILES = {
+    "empty": b"",
+    "only-blank": b"\n\n  \n",
+    "one-long-line-without-newline": b'{"text": "' + b"z" * 70_000 + b'"}',
+    "long-line-in-the-middle": b'{"text": "a"}\n{"text": "' + b"z" * 200_000 + b'"}\n{"text": "b"}',
+    "no-final-newline": b'{"text": "a"}\n{"text": "b"}',
+    "crlf-and-blank": b'{"text": "a"}\r\n\r\n{"text": "b"}\r\n',
+    "only-bad": b"x\ny\nz\n",
+    "null-everywhere": b'{"text": "a", "x": null}\n{"text": "b", "x": null}\n',
+    "empty-objects": b'{}\n{}\n{"text": "a"}\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_FILES))
+@pytest.mark.parametrize("fields", [{}, {"text_field": "x", "id_field": "text"}])
+def test_edge_files_read_alike(tmp_path, name, fields):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(EDGE_FILES[name])
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=1000, **fields)
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines", **fields)
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)

@@ -70,6 +70,41 @@ def test_causality(ffn):
     assert not torch.allclose(a[:, i + 1:], b[:, i + 1:])
 
 
+# Sparse attention that really selects: 64 tokens are 16 blocks of 4, and each query sees at
+# most window + topk * block = 8 + 2 * 4 = 16 keys, so most of the past is chosen, not seen.
+SPARSE = {"attention": "sparse", "sparse_window": 8, "sparse_block": 4, "sparse_topk": 2,
+          "max_seq_len": 64}
+
+
+@pytest.mark.parametrize("ffn", ["dense", "moe"])
+@pytest.mark.parametrize("i", [37, 44, 50])
+def test_sparse_causality(ffn, i):
+    # The target of position i is token i + 1: changing tokens i + 1 .. must leave every
+    # logit up to i as it was, whatever block offset i + 1 falls on.
+    model = build(tiny_args(ffn=ffn, **SPARSE)).eval()
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 64, (2, 64), generator=g)
+    changed = tokens.clone()
+    changed[:, i + 1:] = (tokens[:, i + 1:] + torch.randint(1, 64, (2, 63 - i), generator=g)) % 64
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, : i + 1], b[:, : i + 1], rtol=0, atol=0)
+    assert not torch.allclose(a[:, i + 1:], b[:, i + 1:])
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_decoding_token_by_token_matches_full_forward(attention):
+    # Generation recomputes the prefix: the logits at t from a forward over tokens[: t + 1]
+    # must equal the full forward's logits at t, at every t (crossing all 16 blocks).
+    model = build(tiny_args(**{**SPARSE, "attention": attention})).eval()
+    tokens = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        for t in range(64):
+            step = model(tokens[:, : t + 1])[:, -1]
+            torch.testing.assert_close(step, full[:, t], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("ffn", ["dense", "moe"])
 def test_meta_construction_matches_eager(ffn):
     args = tiny_args(ffn=ffn)

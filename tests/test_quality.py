@@ -104,6 +104,7 @@ def test_labels_recipe_on_real_text(tmp_path):
     assert examples.labels.sum() == 40 and len(examples.texts) > 60
     assert examples.ids[0] == "row:0"
     params = Params()
+    params.quality.features = "embedding"
     out = tmp_path / "head"
     report = train_head(examples, params, out, recipe="labels")
 
@@ -135,6 +136,48 @@ def test_labels_recipe_on_real_text(tmp_path):
     assert loaded_config == config
     scores = HeadScorer(tmp_path / "copy").score(examples.texts, embeddings)
     assert scores.dtype == np.float64 and ((scores >= 0) & (scores <= 1)).all()
+
+
+def test_hashed_words_are_stable_normalised_counts():
+    from assay.quality.features import hashed_words
+
+    x = hashed_words(["The cat saw the CAT. a b", "", "dog"], dim=2**20).to_dense().numpy()
+    assert x.shape == (3, 2**20)
+    row = x[0][x[0] > 0]
+    # "the" and "cat" twice, "saw" once; one-letter words are not words (scikit-learn's token).
+    assert sorted(np.round(row / row.min(), 6).tolist()) == pytest.approx(sorted([1.0, np.log(3) / np.log(2),
+                                                                                  np.log(3) / np.log(2)]))
+    assert np.linalg.norm(x[0]) == pytest.approx(1.0) and not x[1].any() and np.linalg.norm(x[2]) == pytest.approx(1)
+    again = hashed_words(["the cat"], dim=2**20).to_dense().numpy()[0]
+    assert set(np.flatnonzero(again)) <= set(np.flatnonzero(x[0]))  # the same words land in the same buckets
+    tiny = hashed_words(["alpha beta gamma delta"], dim=1).to_dense().numpy()
+    assert tiny.tolist() == [[1.0]]  # collisions add up: log(1 + 4), normalised
+    with pytest.raises(ValueError):
+        hashed_words(["x"], dim=0)
+
+
+def test_words_head_on_real_text(tmp_path):
+    """The default head reads hashed words of the whole text; the scorer needs no embeddings."""
+    labels_file = write_jsonl(tmp_path / "labels.jsonl", real_labelled_rows(40))
+    examples = labelled_examples(labels_file, None)
+    params = Params()
+    assert params.quality.features == "words"
+    out = tmp_path / "head"
+    report = train_head(examples, params, out, recipe="labels")
+    assert report["head"]["auc"] >= 0.9
+    _, config = load_head(out)
+    assert config.features == "words" and config.dim == params.quality.hash_dim
+    assert config.training["l2"] == params.quality.words_l2
+    scorer = HeadScorer(out)
+    assert not scorer.needs_embeddings
+    scores = scorer.score(examples.texts, None)
+    _, test_rows = split(len(examples.texts), examples.labels, params.quality.holdout, params.quality.seed)
+    again = evaluate(examples.labels[test_rows], scores[test_rows], config.threshold)
+    assert again["auc"] == pytest.approx(report["head"]["auc"])
+    with pytest.raises(AssayError, match="quality.features"):
+        from assay.config import params_from_dict
+
+        params_from_dict({"quality": {"features": "bag"}})
 
 
 def make_dataset(directory: Path, docs: dict[str, str]) -> Path:
@@ -302,6 +345,9 @@ def test_finetune_writes_a_loadable_encoder(tmp_path):
     examples = Examples(good + bad, np.array([True] * 12 + [False] * 12), [f"row:{i}" for i in range(24)])
     params = Params()
     params.quality.finetune_epochs = 1
+    with pytest.raises(AssayError, match="needs quality.features: embedding"):
+        train_head(examples, params, tmp_path / "words", recipe="labels", finetune=True)
+    params.quality.features = "embedding"
     out = tmp_path / "head"
     report = train_head(examples, params, out, recipe="labels", finetune=True)
     assert "finetuned" in report and report["finetuned"]["n"] == report["training"]["held_out"]

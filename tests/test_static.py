@@ -42,7 +42,8 @@ def tier1(tmp_path_factory, prefect_harness):
 
     params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
     params["quality"]["reference_sources"] = ["reference"]
-    params["static"]["heuristics_exempt_sources"] = ["reference"]
+    params["quality"]["negatives_share"] = 1.0  # few documents: every non-reference one may be a negative
+    params["static"]["source_rules"] = {"reference": ["gopher_repetition", "gopher_quality"]}
     params["static"]["head"] = str(root / "head")
     params["io"]["batch_rows"] = 32
     params_file = root / "params.yaml"
@@ -78,7 +79,12 @@ def test_every_input_row_has_one_decision(tier1):
     assert counts["dropped"] == sum(counts["by_reason"].values()) == len(raw_ids) - len(kept)
 
 
+def _threshold(tier1) -> float:
+    return yaml.safe_load(tier1["params"].read_text())["static"]["threshold"]
+
+
 def test_cascade_reasons_and_scores(tier1):
+    threshold = _threshold(tier1)
     decisions = {d["id"]: d for d in _rows(tier1["out"] / "decisions")}
     raw = {r["path"]: r for b in iter_batches(tier1["raw"]) for r in b.to_pylist()}
     junk = decisions[raw["junk.txt"]["id"]]
@@ -87,20 +93,34 @@ def test_cascade_reasons_and_scores(tier1):
     assert "quality" not in scores  # the model never saw it: a cascade
     dropped_by_model = [d for d in decisions.values() if d["reason"] == "quality:below_threshold"]
     for d in dropped_by_model:
-        assert dict(d["scores"])["quality"] < 0.5
+        assert dict(d["scores"])["quality"] < threshold
     code = decisions[raw["textwrap.py"]["id"]]
     assert code["kept"] and "quality" not in dict(code["scores"] or [])
 
 
 def test_quality_column_and_code_pass_through(tier1):
+    threshold = _threshold(tier1)
     docs = [r for b in iter_batches(tier1["out"]) for r in b.to_pylist()]
     for doc in docs:
         if doc["kind"] == "text":
-            assert doc["quality"] >= 0.5
+            assert doc["quality"] >= threshold
         else:
             assert doc["quality"] is None
     assert {d["path"] for d in docs if d["kind"] == "code"} == {"encoder.py", "textwrap.py", "colorsys.py"}
-    assert sum(d["source"] == "reference" for d in docs) >= 35  # exempt from heuristics, and scored high
+    # The reference is judged by the Gopher rules only (static.source_rules), and most of it scores high.
+    assert sum(d["source"] == "reference" for d in docs) >= 30
+
+
+def test_source_rules_judge_every_text_document(tier1):
+    """No source is exempt: every text document has heuristic scores, the reference only its chosen filters'."""
+    raw = {r["id"]: r for b in iter_batches(tier1["raw"]) for r in b.to_pylist()}
+    for d in _rows(tier1["out"] / "decisions"):
+        doc = raw[d["id"]]
+        if doc["kind"] != "text":
+            continue
+        scores = dict(d["scores"])
+        assert "gopher_quality:alpha_words_frac" in scores and "gopher_repetition:dup_line_frac" in scores
+        assert ("c4:sentences" in scores) == (doc["source"] != "reference"), doc["path"]
 
 
 def test_embeddings_are_computed_once_for_every_survivor(tier1):

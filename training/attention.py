@@ -6,10 +6,24 @@ Each query attends to
     positions ``(i - window, i]``;
 (b) ``topk`` key blocks (``block`` consecutive keys each) that lie entirely
     before the local window of every query of its query block, chosen by a
-    cheap content score: the dot product of the query-block mean with each key
-    block's mean (the "compressed block keys"). Block 0 is always chosen when it
-    is a candidate (attention sink). The selection is an index computation and
-    carries no gradient; the attention over the selected keys does.
+    cheap content score: the dot product of a summary of the query block with
+    each key block's mean (the "compressed block keys"). Block 0 is always
+    chosen when it is a candidate (attention sink). The selection is an index
+    computation and carries no gradient; the attention over the selected keys does.
+
+The selection is causal. Query block ``j`` (positions ``j * block ..``) ranks key blocks
+with its *first* query, the one at ``j * block`` (:func:`query_summaries`), and every
+member uses that ranking. Every member sits at or after ``j * block``, so nothing it
+attends to depends on a later query. Ranking with the mean of the block's own queries,
+as this module once did, let position ``i`` see through its keys the query at ``i + 1``,
+which in a language model is made from the target of ``i``: the label leaked into the
+forward pass, and decoding one token at a time could not reproduce the training-time
+outputs. With the causal rule a prefix selects exactly as the whole sequence does, so
+decoding (recomputing the prefix, or :func:`decode_step` from cached keys, values and
+block-first queries) gives the full forward's outputs. Among causal summaries (the first
+query, the mean of the ``block`` queries ending at it, the previous block's mean) and
+per-query ranking, the choice was measured (BENCHMARKS.md, "Attention"); per-query
+ranking would give each query its own key set and so break the block table below.
 
 Queries are processed in blocks of ``block`` queries that share one selection.
 For query block ``j`` the local part is the ``W`` key blocks ending at ``j``
@@ -51,7 +65,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_causal_attention", "dynamic_sparse_attention", "select_blocks"]
+__all__ = [
+    "decode_step",
+    "dense_causal_attention",
+    "dynamic_sparse_attention",
+    "query_summaries",
+    "rank_key_blocks",
+    "select_blocks",
+]
 
 # Score elements per chunk. On CPU one chunk's scores (2 MiB in fp32) stay in a core's
 # L2 through the softmax and its gradient; accelerators want few, large launches.
@@ -71,30 +92,39 @@ def _local_blocks(window: int, block: int, n_blocks: int) -> int:
     return min(n_blocks, (window - 1 + block - 1) // block + 1)
 
 
-@torch.no_grad()
-def select_blocks(
-    q: torch.Tensor, k: torch.Tensor, *, window: int, block: int, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key blocks each query block attends to beyond its local window.
+def query_summaries(q: torch.Tensor, block: int) -> torch.Tensor:
+    """The causal summary of every query block: its first query, (B, H, nb, D).
 
-    Returns ``(idx, valid)``, both (B, H, nQB, kk) with ``kk = min(topk, nKB)``:
-    ``idx`` are key-block indices, ``valid`` says whether the slot is a real
-    candidate (entirely before the local window of the whole query block).
+    Every member of block ``j`` sits at ``j * block`` or later, so none of them selects
+    with a query from its future; and a prefix of the sequence has the same summaries
+    as the whole sequence, so it selects exactly as the whole sequence does.
     """
-    B, H, N, D = q.shape
+    return q[:, :, ::block].contiguous()
+
+
+@torch.no_grad()
+def rank_key_blocks(
+    summary: torch.Tensor, k: torch.Tensor, *, window: int, block: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``topk`` candidate key blocks per query block by ``summary @ key-block mean``.
+
+    ``summary`` is (B, H, nb, D), one vector per query block; ``k`` is (B, H, N, D).
+    Returns ``(idx, valid)`` as :func:`select_blocks` does.
+    """
+    B, H, N, D = k.shape
     nb = (N + block - 1) // block
+    if summary.shape != (B, H, nb, D):
+        raise ValueError(f"summary must be {(B, H, nb, D)}, got {tuple(summary.shape)}")
     pad = nb * block - N
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-        k = F.pad(k, (0, 0, 0, pad))
-    # Query-block mean over real queries only; key-block mean over real keys only.
-    counts = torch.full((nb,), float(block), dtype=q.dtype, device=q.device)
+    # Key-block mean over real keys only. Only the last block can be short, and it is
+    # never a candidate (candidates end before their query block starts).
+    counts = torch.full((nb, 1), float(block), dtype=k.dtype, device=k.device)
     counts[-1] = block - pad
-    q_mean = q.view(B, H, nb, block, D).sum(3) / counts[:, None]
-    k_mean = k.view(B, H, nb, block, D).sum(3) / counts[:, None]
-    scores = q_mean @ k_mean.transpose(-1, -2) / math.sqrt(D)  # (B, H, nQB, nKB)
+    kb = (F.pad(k, (0, 0, 0, pad)) if pad else k).view(B, H, nb, block, D)
+    k_mean = kb.sum(3) / counts
+    scores = summary @ k_mean.transpose(-1, -2) / math.sqrt(D)  # (B, H, nQB, nKB)
     w = _local_blocks(window, block, nb)
-    j = torch.arange(nb, device=q.device)
+    j = torch.arange(nb, device=k.device)
     cand = j[None, :] <= (j[:, None] - w)  # (nQB, nKB): block before every window
     scores = scores.masked_fill(~cand, float("-inf"))
     sink = cand.clone()
@@ -104,6 +134,23 @@ def select_blocks(
     top, idx = scores.topk(kk, dim=-1)
     valid = top > float("-inf")
     return idx, valid
+
+
+@torch.no_grad()
+def select_blocks(
+    q: torch.Tensor, k: torch.Tensor, *, window: int, block: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key blocks each query block attends to beyond its local window.
+
+    Returns ``(idx, valid)``, both (B, H, nQB, kk) with ``kk = min(topk, nKB)``:
+    ``idx`` are key-block indices, ``valid`` says whether the slot is a real
+    candidate (entirely before the local window of the whole query block).
+    Query block ``j`` ranks with :func:`query_summaries` (queries at or before its
+    first position only), so the selection is causal.
+    """
+    return rank_key_blocks(
+        query_summaries(q, block), k, window=window, block=block, topk=topk
+    )
 
 
 def _score_bias(
@@ -360,3 +407,50 @@ def dynamic_sparse_attention(
         q, k, v, rows, mask, 1.0 / math.sqrt(D), blocks_per_chunk
     )
     return out.reshape(B, H, nb * block, D)[:, :, :N]
+
+
+def decode_step(
+    queries: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    block: int,
+    topk: int,
+) -> torch.Tensor:
+    """Attention output of the newest position alone, from a cache: (B, H, 1, D).
+
+    ``k`` and ``v`` (B, H, n, D) hold every key and value through the newest position
+    ``i = n - 1``; ``queries`` (B, H, n, D) the queries, the newest last. Of the earlier
+    queries only block ``i // block``'s first one is read (:func:`query_summaries`), so
+    a cache may keep just that one. Equals
+    ``dynamic_sparse_attention(queries, k, v, ...)[:, :, -1:]`` up to float rounding,
+    at the cost of ``window + topk * block`` keys rather than a sequence.
+    """
+    if queries.dim() != 4 or queries.shape != k.shape or k.shape != v.shape:
+        raise ValueError(
+            f"queries, k, v must share a (B, H, n, D) shape, got "
+            f"{queries.shape}, {k.shape}, {v.shape}"
+        )
+    if window < 1 or block < 1 or topk < 0:
+        raise ValueError("window and block must be >= 1 and topk >= 0")
+    B, H, n, D = k.shape
+    dev = k.device
+    i = n - 1
+    j = i // block
+    w = _local_blocks(window, block, j + 1)
+    n_cand = j - w + 1  # blocks 0 .. j - w end before the window of the block's first query
+    positions = torch.arange(max(0, i - window + 1), i + 1, device=dev).expand(B, H, -1)
+    if n_cand > 0 and topk > 0:
+        # The same arithmetic as query_summaries and rank_key_blocks, for one row.
+        summary = queries[:, :, j * block]
+        k_mean = k[:, :, : n_cand * block].reshape(B, H, n_cand, block, D).sum(3) / block
+        scores = (summary[:, :, None] @ k_mean.mT)[:, :, 0] / math.sqrt(D)
+        scores[..., 0] = float("inf")  # the sink
+        idx = scores.topk(min(topk, n_cand), dim=-1).indices  # (B, H, kk)
+        chosen = (idx[..., None] * block + torch.arange(block, device=dev)).flatten(2)
+        positions = torch.cat([chosen, positions], dim=-1)
+    index = positions[..., None].expand(-1, -1, -1, D)
+    keys, values = k.gather(2, index), v.gather(2, index)
+    att = torch.softmax(queries[:, :, -1:] @ keys.mT / math.sqrt(D), dim=-1)
+    return att @ values

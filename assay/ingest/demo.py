@@ -1,14 +1,29 @@
 """The demo corpus: real files every installation of Assay already has.
 
-- Python source from the standard library and from installed packages (code);
-- package descriptions from `*.dist-info/METADATA` (text of mixed quality);
-- the Python reference topics from `pydoc_data` (curated technical prose);
-- man pages rendered with `man`, where it exists (curated technical prose).
+Code:
+- Python source from the standard library and from installed packages.
+
+Text, as two separate sets (the GPT-3 recipe: a reference set trains the
+quality head, a different, unfiltered pool is what gets filtered):
+- the reference set, curated technical prose: the Python reference topics
+  from `pydoc_data` and man pages rendered with `man` (where it exists);
+- the pool, everything else: files of software installed here, good prose
+  and machine junk mixed as they come. Each kind is its own source (the
+  labels, set by provenance before any score was seen, are in
+  `assay.quality.pool`):
+  - `pypi-description`: the long description of a wheel's METADATA (its body);
+  - `pypi-metadata`: the header block of the same METADATA files;
+  - `pypi-record`, `pypi-entry-points`: `*.dist-info/RECORD` and `entry_points.txt`;
+  - `doc-readme`, `doc-news`: README and NEWS files under /usr/share/doc;
+  - `doc-changelog`, `debian-changelog`: upstream `changelog.gz`, and `changelog.Debian.gz`;
+  - `doc-copyright`: /usr/share/doc/*/copyright;
+  - `dpkg-manifest`: /var/lib/dpkg/info/*.list and *.md5sums (install manifests);
+  - `logs`: text files under /var/log.
+  Compressed files (.gz, .xz) are decompressed at ingest. A kind this
+  machine lacks is simply absent.
 
 The sample is drawn with `demo.seed`, from sorted candidate lists, so the
-same seed on the same installation always gives the same corpus. The curated
-prose (reference topics, man pages) is what tier 1 uses as its positive
-reference set.
+same seed on the same installation always gives the same corpus.
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ from __future__ import annotations
 import random
 import shutil
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 from assay.config import DemoParams
@@ -23,10 +39,26 @@ from assay.ingest.plan import FileEntry, IngestOptions, Unit, group_files
 
 SOURCE_STDLIB = "python-stdlib"
 SOURCE_METADATA = "pypi-metadata"
+SOURCE_DESCRIPTION = "pypi-description"
+SOURCE_RECORD = "pypi-record"
+SOURCE_ENTRY_POINTS = "pypi-entry-points"
+SOURCE_README = "doc-readme"
+SOURCE_NEWS = "doc-news"
+SOURCE_CHANGELOG = "doc-changelog"
+SOURCE_DEBIAN_CHANGELOG = "debian-changelog"
+SOURCE_COPYRIGHT = "doc-copyright"
+SOURCE_DPKG = "dpkg-manifest"
+SOURCE_LOGS = "logs"
 SOURCE_PYDOC = "pydoc-topics"
 SOURCE_MAN = "man"
-#: Sources of curated reference prose (the positives of tier 1's head).
+#: Sources of curated reference prose (the positives of tier 1's head; not part of the pool).
 REFERENCE_SOURCES = (SOURCE_PYDOC, SOURCE_MAN)
+#: The pool's text sources.
+POOL_SOURCES = (SOURCE_DESCRIPTION, SOURCE_METADATA, SOURCE_RECORD, SOURCE_ENTRY_POINTS, SOURCE_README,
+                SOURCE_NEWS, SOURCE_CHANGELOG, SOURCE_DEBIAN_CHANGELOG, SOURCE_COPYRIGHT, SOURCE_DPKG, SOURCE_LOGS)
+_COMPRESSED = (".gz", ".xz")
+#: Markup and binaries are not prose or text junk of the kinds above.
+_DOC_SKIP_SUFFIXES = (".html", ".htm", ".css", ".png", ".jpg", ".gif", ".svg", ".pdf", ".js")
 
 MAN_PAGES_PER_UNIT = 64
 _MAN_SECTIONS = ("man1", "man5", "man7", "man8")
@@ -67,6 +99,102 @@ def metadata_files() -> list[Path]:
     return sorted(p for root in package_roots() for p in root.glob("*.dist-info/METADATA"))
 
 
+def dist_info_files(name: str) -> list[Path]:
+    return sorted(p for root in package_roots() for p in root.glob(f"*.dist-info/{name}"))
+
+
+def doc_files(match: Callable[[str], bool], root: Path = Path("/usr/share/doc")) -> list[Path]:
+    """Files directly in /usr/share/doc/<package>/ whose name satisfies `match`.
+
+    Package directories are often symlinks to another package's: each real
+    file is listed once.
+    """
+    if not root.is_dir():
+        return []
+    seen: dict[Path, Path] = {}
+    for folder in sorted(root.iterdir()):
+        try:
+            files = sorted(folder.iterdir()) if folder.is_dir() else []
+        except OSError:
+            continue
+        for path in files:
+            name = path.name
+            if not match(name) or name.lower().endswith(_DOC_SKIP_SUFFIXES):
+                continue
+            try:
+                if path.is_file():
+                    seen.setdefault(path.resolve(), path)
+            except OSError:
+                continue
+    return sorted(seen.values())
+
+
+def _plain(name: str) -> str:
+    for suffix in _COMPRESSED:
+        name = name.removesuffix(suffix)
+    return name
+
+
+def dpkg_manifests(root: Path = Path("/var/lib/dpkg/info")) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.suffix in (".list", ".md5sums") and p.is_file())
+
+
+def log_files(root: Path = Path("/var/log")) -> list[Path]:
+    """Readable, non-empty text logs (binary ones such as wtmp are left out)."""
+    found = []
+    for path in sorted(root.rglob("*")) if root.is_dir() else []:
+        try:
+            if not path.is_file() or path.is_symlink() or path.stat().st_size == 0:
+                continue
+            with open(path, "rb") as handle:
+                head = handle.read(4096)
+        except OSError:
+            continue
+        if path.suffix in _COMPRESSED or b"\0" not in head:
+            found.append(path)
+    return found
+
+
+def _text_entry(path: Path, source: str, locator: str) -> FileEntry:
+    """A file of the pool; compressed ones are decompressed (sized at 4x for unit planning)."""
+    st = path.stat()
+    compressed = path.name.endswith(_COMPRESSED)
+    return FileEntry(str(path), source, _plain(locator) if compressed else locator,
+                     render="decompress" if compressed else None,
+                     size=st.st_size * (4 if compressed else 1), mtime_ns=st.st_mtime_ns)
+
+
+def pool_entries(params: DemoParams, rng: random.Random) -> list[FileEntry]:
+    """The text pool's files, sampled per kind (see the module docstring)."""
+    entries: list[FileEntry] = []
+    for path in _sample(rng, metadata_files(), params.package_metadata):
+        st = path.stat()
+        for source, render in ((SOURCE_METADATA, "message-headers"), (SOURCE_DESCRIPTION, "message-body")):
+            entries.append(FileEntry(str(path), source, f"{path.parent.name}/METADATA", render=render,
+                                     size=st.st_size, mtime_ns=st.st_mtime_ns))
+    for source, name, count in ((SOURCE_RECORD, "RECORD", params.package_records),
+                                (SOURCE_ENTRY_POINTS, "entry_points.txt", params.entry_points)):
+        entries += [_entry(p, source, f"{p.parent.name}/{name}") for p in _sample(rng, dist_info_files(name), count)]
+    doc_kinds = (
+        (SOURCE_README, lambda n: n.startswith("README"), params.doc_readmes),
+        (SOURCE_NEWS, lambda n: n.startswith("NEWS"), params.doc_news),
+        (SOURCE_CHANGELOG, lambda n: _plain(n) == "changelog", params.doc_changelogs),
+        (SOURCE_DEBIAN_CHANGELOG, lambda n: _plain(n).startswith("changelog.Debian"), params.debian_changelogs),
+        (SOURCE_COPYRIGHT, lambda n: n == "copyright", params.doc_copyright),
+    )
+    doc_root = Path("/usr/share/doc")
+    for source, match, count in doc_kinds:
+        entries += [_text_entry(p, source, p.relative_to(doc_root).as_posix())
+                    for p in _sample(rng, doc_files(match, doc_root), count)]
+    entries += [_entry(p, SOURCE_DPKG, f"dpkg/{p.name}") for p in _sample(rng, dpkg_manifests(), params.dpkg_manifests)]
+    log_root = Path("/var/log")
+    entries += [_text_entry(p, SOURCE_LOGS, p.relative_to(log_root).as_posix())
+                for p in _sample(rng, log_files(log_root), params.logs)]
+    return entries
+
+
 def man_pages(root: Path = Path("/usr/share/man")) -> list[Path]:
     if shutil.which("man") is None or not root.is_dir():
         return []
@@ -90,9 +218,8 @@ def plan_demo(params: DemoParams | None, options: IngestOptions) -> list[Unit]:
         packages.append(_entry(path, f"site-packages/{top}", rel.as_posix()))
     units += group_files(packages, "files", "site-packages", options.unit_bytes)
 
-    metadata = [_entry(p, SOURCE_METADATA, f"{p.parent.name}/METADATA")
-                for p in _sample(rng, metadata_files(), params.package_metadata)]
-    units += group_files(metadata, "files", SOURCE_METADATA, options.unit_bytes)
+    pool = pool_entries(params, rng)
+    units += group_files(pool, "files", "pool", options.unit_bytes)
 
     from pydoc_data.topics import topics
 

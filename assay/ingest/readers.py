@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from assay import languages
 from assay.ingest.decode import decode, is_binary
+from assay.ingest.jsonl import ingest_jsonl
 from assay.ingest.plan import FileEntry, IngestOptions, Unit, unit_key
 from assay.schema import (
     DECISION_SCHEMA,
@@ -31,7 +32,6 @@ from assay.schema import (
     INVALID_BINARY,
     INVALID_EMPTY,
     INVALID_IO,
-    INVALID_JSON,
     INVALID_RECORD,
     INVALID_TOO_LARGE,
     QUARANTINE_SCHEMA,
@@ -56,9 +56,14 @@ class Sink:
     # -- single records (files, JSON lines) --
 
     def document(self, id: str, text: str, kind: str | None, lang: str | None, source: str, path: str,
-                 meta: dict, name_hint: str = "") -> None:
-        """Buffer one document; a None kind or lang is detected, batch-wise, at flush."""
-        row = (id, text, kind, lang, source, path, json.dumps(meta, ensure_ascii=False, sort_keys=True))
+                 meta: dict | str, name_hint: str = "") -> None:
+        """Buffer one document; a None kind or lang is detected, batch-wise, at flush.
+
+        `meta` is a dict, or the JSON object it serialises to.
+        """
+        if not isinstance(meta, str):
+            meta = json.dumps(meta, ensure_ascii=False, sort_keys=True)
+        row = (id, text, kind, lang, source, path, meta)
         for name, value in zip(DOCUMENT_COLUMNS, row):
             self._docs[name].append(value)
         self._name_hints.append(name_hint)
@@ -170,12 +175,32 @@ def _render_pydoc(topic: str) -> bytes:
     return topics[topic].encode("utf-8")
 
 
+def _decompress(path: str, max_bytes: int) -> bytes:
+    import lzma
+
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as handle:
+        return handle.read(max_bytes + 1)
+
+
+def _split_message(data: bytes) -> tuple[bytes, bytes]:
+    """(header block, body) of an RFC 822-style file such as a wheel's METADATA."""
+    data = data.replace(b"\r\n", b"\n")
+    head, _, body = data.partition(b"\n\n")
+    return head + b"\n", body
+
+
 def read_entry(entry: FileEntry, max_bytes: int) -> bytes | int:
     """The entry's bytes, or its size when it is over `max_bytes` (not read)."""
     if entry.render == "man":
         data = _render_man(entry.fs_path)
     elif entry.render == "pydoc":
         data = _render_pydoc(entry.fs_path)
+    elif entry.render == "decompress":  # .gz / .xz (plain files are read as they are)
+        data = _decompress(entry.fs_path, max_bytes)
+    elif entry.render in ("message-headers", "message-body"):
+        head, body = _split_message(_decompress(entry.fs_path, max_bytes))
+        data = head if entry.render == "message-headers" else body
     else:
         size = os.stat(entry.fs_path).st_size
         if size > max_bytes:
@@ -211,104 +236,6 @@ def ingest_files(unit: Unit, sink: Sink, options: IngestOptions) -> int:
             meta["rendered_from"] = entry.render
         sink.document(doc_id, decoded.text, None, None, entry.source, entry.locator, meta, name_hint=entry.locator)
     return bytes_in
-
-
-# --- JSON lines ------------------------------------------------------------------
-
-
-def _open_lines(path: str):
-    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
-
-
-def _read_lines(handle, limit: int) -> Iterator[tuple[int, bytes, bool]]:
-    """(line number, bytes, too_long); an over-long line is skipped, not loaded."""
-    number = 0
-    while True:
-        line = handle.readline(limit + 1)
-        if not line:
-            return
-        number += 1
-        if len(line) > limit and not line.endswith(b"\n"):
-            while True:  # drain the rest of the line in bounded pieces
-                rest = handle.readline(1 << 20)
-                if not rest or rest.endswith(b"\n"):
-                    break
-            yield number, line[:256], True
-            continue
-        yield number, line, False
-
-
-def _record_fields(record: dict, options: IngestOptions) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a record into contract columns and everything else (→ meta)."""
-    columns, meta = {}, {}
-    for key, value in record.items():
-        if key in (options.text_field, options.id_field):
-            continue
-        if key in ("kind", "lang", "source", "path") and isinstance(value, str) and value:
-            columns[key] = value
-        elif key == "meta" and isinstance(value, dict):
-            meta.update(value)
-        else:
-            meta[key] = value
-    return columns, meta
-
-
-def ingest_jsonl(unit: Unit, sink: Sink, options: IngestOptions) -> int:
-    name = Path(unit.path).name
-    bytes_in = 0
-    with _open_lines(unit.path) as handle:
-        # Every JSON line can hold a document of up to max_bytes plus its fields.
-        for number, line, too_long in _read_lines(handle, options.max_bytes + 65536):
-            locator = f"{name}:{number}"
-            fallback_id = document_id(unit.source, f"line:{number}")
-            bytes_in += len(line)
-            if too_long:
-                sink.invalid(fallback_id, unit.source, locator, INVALID_TOO_LARGE,
-                             f"line {number} longer than ingest.max_bytes={options.max_bytes}", None)
-                continue
-            if not line.strip():
-                sink.writer.counts["blank_lines"] += 1
-                continue
-            decoded = decode(line, fallback_encodings=list(options.fallback_encodings), min_confidence=options.encoding_confidence)
-            if decoded.text is None:
-                sink.invalid(fallback_id, unit.source, locator, decoded.reason, f"line {number}: {decoded.detail}", line)
-                continue
-            try:
-                record = json.loads(decoded.text)
-            except json.JSONDecodeError as exc:
-                sink.invalid(fallback_id, unit.source, locator, INVALID_JSON, f"line {number}: {exc.msg} (column {exc.colno})", line)
-                continue
-            if not isinstance(record, dict):
-                sink.invalid(fallback_id, unit.source, locator, INVALID_RECORD, f"line {number}: not a JSON object", line)
-                continue
-            raw_id = record.get(options.id_field)
-            doc_id = str(raw_id) if raw_id not in (None, "") else fallback_id
-            text = record.get(options.text_field)
-            if not isinstance(text, str):
-                what = "missing" if text is None else f"a {type(text).__name__}, not a string"
-                sink.invalid(doc_id, unit.source, locator, INVALID_RECORD, f"line {number}: field '{options.text_field}' is {what}", line)
-                continue
-            reason = _text_problem(text, options.max_bytes)
-            if reason:
-                sink.invalid(doc_id, unit.source, locator, reason[0], f"line {number}: {reason[1]}", line)
-                continue
-            columns, meta = _record_fields(record, options)
-            if decoded.encoding:
-                meta["encoding"] = decoded.encoding
-            sink.document(doc_id, text, columns.get("kind"), columns.get("lang"), columns.get("source", unit.source),
-                          columns.get("path", locator), meta, name_hint=columns.get("path", ""))
-    return bytes_in
-
-
-def _text_problem(text: str, max_bytes: int) -> tuple[str, str] | None:
-    if not text.strip():
-        return INVALID_EMPTY, "text is empty or whitespace"
-    size = len(text.encode("utf-8", errors="surrogatepass"))
-    if size > max_bytes:
-        return INVALID_TOO_LARGE, f"text is {size} bytes > ingest.max_bytes={max_bytes}"
-    if "\x00" in text:
-        return INVALID_BINARY, "text contains NUL characters"
-    return None
 
 
 # --- tables (Parquet, Hugging Face) --------------------------------------------------

@@ -1,7 +1,9 @@
-"""Tier 1's confidence score: a head on the shared encoder, or a full classifier.
+"""Tier 1's confidence score: a head on hashed words or on the shared encoder, or a full classifier.
 
-`head` (the logistic head and its files), `metrics` (AUC, precision/recall,
-calibration), `train` (`assay quality train`: the reference recipe or a
-labelled file, optionally fine-tuning the encoder) and `scorer` (documents →
-`quality` in [0, 1], for the static stage).
+`features` (hashed word counts), `head` (the logistic head and its files),
+`metrics` (AUC, precision/recall, calibration), `train` (`assay quality
+train`: the reference recipe or a labelled file, optionally fine-tuning the
+encoder), `scorer` (documents → `quality` in [0, 1], for the static stage)
+and `pool` (the demo's labelled pool: labels by provenance, the
+negatives/dev/measured split, tier 1's measurement).
 """

@@ -1,11 +1,13 @@
-"""The quality head: logistic regression on the encoder's mean-pooled embedding.
+"""The quality head: logistic regression on a document's features.
 
-The encoder was trained with mean pooling, so a head on the pooled embedding
-fits better than `AutoModelForSequenceClassification`'s fresh head on the
-pooler output. Files under the head directory:
+Features (`HeadConfig.features`) are either the encoder's mean-pooled
+embedding (the encoder was trained with mean pooling, so a head on the pooled
+embedding fits better than `AutoModelForSequenceClassification`'s fresh head
+on the pooler output) or hashed word counts (`assay.quality.features`, a
+sparse input). Files under the head directory:
 
     head.safetensors   weight (1, dim), bias (1,)
-    config.json        the encoder it expects, threshold, recipe, metrics
+    config.json        features, the encoder it expects, threshold, recipe, metrics
     encoder/           only after --finetune: the fine-tuned encoder
 """
 
@@ -33,13 +35,21 @@ class LinearHead(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, 1)
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        """Logits, shape (n,)."""
-        return self.linear(embeddings).squeeze(-1)
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits, shape (n,), of dense or sparse (COO) features."""
+        if features.is_sparse:
+            return (torch.sparse.mm(features, self.linear.weight.t()) + self.linear.bias).squeeze(-1)
+        return self.linear(features).squeeze(-1)
 
-    def probabilities(self, embeddings: np.ndarray) -> np.ndarray:
+    def probabilities(self, features: np.ndarray | torch.Tensor) -> np.ndarray:
         with torch.inference_mode():
-            return torch.sigmoid(self(torch.from_numpy(np.ascontiguousarray(embeddings, dtype=np.float32)))).numpy()
+            return torch.sigmoid(self(_as_tensor(features))).numpy()
+
+
+def _as_tensor(features: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(features, torch.Tensor):
+        return features
+    return torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
 
 
 @dataclass
@@ -51,12 +61,14 @@ class HeadConfig:
     finetuned: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
+    #: "embedding" (the encoder's vector, dim = its size) or "words" (hashed word counts, dim buckets).
+    features: str = "embedding"
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:
-    """Full-batch L-BFGS on the logistic loss: deterministic and quick for ≤1e5 rows."""
+def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:
+    """Full-batch L-BFGS on the logistic loss: deterministic and quick for ≤1e5 rows (x dense or sparse COO)."""
     torch.manual_seed(0)
-    inputs = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    inputs = _as_tensor(x)
     targets = torch.from_numpy(np.asarray(y, dtype=np.float32))
     head = LinearHead(inputs.shape[1])
     nn.init.zeros_(head.linear.weight)

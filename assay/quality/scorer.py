@@ -1,8 +1,9 @@
 """Documents → `quality` in [0, 1], for the static stage.
 
 Two kinds of model, chosen in params.yaml:
-- `static.head` (default): the logistic head on the shared encoder's
-  embedding, which the stage computes anyway, so scoring costs nothing extra;
+- `static.head` (default): the logistic head, on hashed word counts of the
+  text or on the shared encoder's embedding (which the stage computes
+  anyway), as it was trained (`quality.features`);
 - `static.model`: a full `AutoModelForSequenceClassification` (for example a
   FineWeb-Edu-style regression classifier), whose output `static.score` maps
   to [0, 1].
@@ -17,10 +18,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from assay.config import EncoderParams, ScoreParams, StaticParams
+from assay.config import FEATURES_WORDS, EncoderParams, ScoreParams, StaticParams
 from assay.devices import pick_device
 from assay.encoder import CHARS_PER_TOKEN_BOUND, length_sorted_batches, use_bf16
 from assay.errors import AssayError
+from assay.quality.features import hashed_words
 from assay.quality.head import FINETUNED_ENCODER, load_head
 
 
@@ -35,7 +37,13 @@ class HeadScorer:
         self.head, self.config = load_head(directory)
         self.name = f"head:{directory}"
 
+    @property
+    def needs_embeddings(self) -> bool:
+        return self.config.features != FEATURES_WORDS
+
     def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+        if self.config.features == FEATURES_WORDS:
+            return self.head.probabilities(hashed_words(texts, self.config.dim)).astype(np.float64)
         return self.head.probabilities(embeddings).astype(np.float64)
 
 
@@ -104,7 +112,10 @@ def encoder_for(params: StaticParams) -> EncoderParams:
         load_head(head_dir)  # raises the error that names the command to run
     import json
 
-    trained = json.loads(config_path.read_text())["encoder"]
+    config = json.loads(config_path.read_text())
+    if config.get("features") == FEATURES_WORDS:
+        return params.encoder  # the head reads words; the encoder only makes the stored embeddings
+    trained = config["encoder"]
     if trained["model"] == FINETUNED_ENCODER:
         return EncoderParams(**{**params.encoder.__dict__, "model": str(head_dir / FINETUNED_ENCODER),
                                 "max_length": trained["max_length"]})

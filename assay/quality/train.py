@@ -3,8 +3,11 @@
 Two ways to get labels:
 - the reference recipe (GPT-3, LLaMA): positives are documents of curated
   reference sources, negatives are sampled from the rest of the raw corpus's
-  text. On the demo corpus the reference is the Python reference topics and
-  the man pages; the negatives are everything else that is prose.
+  text, but only from the part of it chosen by `quality.negatives_share`
+  (by a hash of the id, `assay.quality.pool.in_negatives_part`), so the
+  rest of the pool is never trained on and tier 1 can be measured on it. On
+  the demo corpus the reference is the Python reference topics and the man
+  pages; the negatives come from the pool of installed software's files.
 - a labelled file (.jsonl, .csv or .parquet) with `label` and either `text`
   or `id` (ids are looked up in --data).
 """
@@ -22,13 +25,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import torch
 import pyarrow.compute as pc
 
-from assay.config import Params
+from assay.config import FEATURES_WORDS, Params
 from assay.encoder import Encoder
 from assay.errors import AssayError
+from assay.quality.features import hashed_words
 from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
+from assay.quality.pool import in_negatives_part
 from assay.schema import KIND_TEXT
 from assay.shards import iter_batches, require_dataset
 
@@ -57,11 +63,12 @@ def reference_examples(data: str | Path, params: Params) -> Examples:
         batch = batch.filter(pc.equal(batch.column("kind"), KIND_TEXT))
         is_ref = pc.is_in(batch.column("source"), value_set=reference).to_numpy(zero_copy_only=False)
         ids, texts = batch.column("id").to_pylist(), batch.column("text").to_pylist()
+        may_be_negative = in_negatives_part(ids, q.negatives_share, q.seed)
         for i, flag in enumerate(is_ref):
             if flag:
                 if len(positives) < MAX_PER_CLASS:
                     positives.append((ids[i], texts[i]))
-            else:  # reservoir sample: every negative equally likely
+            elif may_be_negative[i]:  # reservoir sample: every negative equally likely
                 seen_neg += 1
                 if len(negatives) < MAX_PER_CLASS:
                     negatives.append((ids[i], texts[i]))
@@ -75,7 +82,8 @@ def reference_examples(data: str | Path, params: Params) -> Examples:
             "set quality.reference_sources or pass --labels FILE"
         )
     if not negatives:
-        raise AssayError(f"{data}: no text outside the reference sources to sample negatives from")
+        raise AssayError(f"{data}: no text outside the reference sources to sample negatives from "
+                         f"(in the quality.negatives_share={q.negatives_share} part)")
     wanted = max(1, round(len(positives) * q.negatives_per_positive))
     negatives = sorted(negatives) if len(negatives) <= wanted else sorted(rng.sample(negatives, wanted))
     rows = [(i, t, True) for i, t in positives] + [(i, t, False) for i, t in negatives]
@@ -157,16 +165,27 @@ def train_head(
     examples: Examples, params: Params, out: str | Path, *, recipe: str, finetune: bool = False,
     progress=None,
 ) -> dict[str, Any]:
-    """Embed, fit, evaluate held out, save. Returns the report (also in config.json)."""
+    """Featurise (embed, or hash words), fit, evaluate held out, save. Returns the report (also in config.json)."""
     started = time.perf_counter()
     q = params.quality
     threshold = params.static.threshold
     train_rows, test_rows = split(len(examples.texts), examples.labels, q.holdout, q.seed)
-    encoder = Encoder(params.static.encoder)
-    embeddings = encoder.encode(examples.texts, progress=progress)
-    head = fit_logistic(embeddings[train_rows], examples.labels[train_rows], l2=q.l2)
     encoder_params = dataclasses.asdict(params.static.encoder)
-    report: dict[str, Any] = {"head": evaluate(examples.labels[test_rows], head.probabilities(embeddings[test_rows]), threshold)}
+    if q.features == FEATURES_WORDS:
+        if finetune:
+            raise AssayError("--finetune fine-tunes the encoder: it needs quality.features: embedding")
+        features = hashed_words(examples.texts, q.hash_dim)
+        train_x = features.index_select(0, torch.as_tensor(train_rows, dtype=torch.int64))
+        test_x = features.index_select(0, torch.as_tensor(test_rows, dtype=torch.int64))
+        head = fit_logistic(train_x, examples.labels[train_rows], l2=q.words_l2)
+        dim, bf16, l2 = q.hash_dim, None, q.words_l2
+    else:
+        encoder = Encoder(params.static.encoder)
+        embeddings = encoder.encode(examples.texts, progress=progress)
+        train_x, test_x = embeddings[train_rows], embeddings[test_rows]
+        head = fit_logistic(train_x, examples.labels[train_rows], l2=q.l2)
+        dim, bf16, l2 = encoder.dim, encoder.bf16, q.l2
+    report: dict[str, Any] = {"head": evaluate(examples.labels[test_rows], head.probabilities(test_x), threshold)}
     if finetune:
         from assay.quality.finetune import finetune_encoder
 
@@ -181,7 +200,7 @@ def train_head(
     final = report["finetuned" if finetune else "head"]
     config = HeadConfig(
         encoder=encoder_params,
-        dim=encoder.dim,
+        dim=dim,
         threshold=threshold,
         recipe=recipe,
         finetuned=finetune,
@@ -191,12 +210,13 @@ def train_head(
             "train": int(len(train_rows)),
             "held_out": int(len(test_rows)),
             "positives": int(examples.labels.sum()),
-            "l2": q.l2,
+            "l2": l2,
             "seed": q.seed,
             "seconds": round(time.perf_counter() - started, 2),
             "trained_at": datetime.now(timezone.utc).isoformat(),
-            "bf16": encoder.bf16,
+            "bf16": bf16,
         },
+        features=q.features,
     )
     save_head(out, head, config)
     return {**report, "training": config.training, "out": str(out), "recipe": recipe}

@@ -29,7 +29,7 @@ from assay.schema import DECISION_SCHEMA
 from assay.shards import MANIFEST, iter_batches
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.exact_dedup import choose_kept, normalized_hashes
-from filters.minhash import band_buckets, candidate_pairs_for_band, clusters, has_shingles, signatures
+from filters.minhash import band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
 from filters.semantic_dedup import REASON as SEMANTIC_DUP
 from filters.semantic_dedup import semantic_duplicates
 
@@ -94,7 +94,23 @@ class Corpus:
 
 
 def gather(scans: list[ShardScan]) -> Corpus:
-    sigs = [s.signatures for s in scans if s.signatures is not None]
+    """The scans concatenated in shard order. The signatures move: each scan's array is copied into the
+    corpus's and then released, so the peak is the corpus's signatures plus one shard's, and the caller, who
+    keeps its scans, does not hold every signature twice (448 B a document; `bench/dedup_memory.py`)."""
+    signatures = None
+    if scans and all(s.signatures is not None for s in scans):
+        if len(scans) == 1:
+            signatures = scans[0].signatures
+        else:
+            first = scans[0].signatures
+            signatures = np.empty((sum(len(s.signatures) for s in scans), first.shape[1]), dtype=first.dtype)
+            start = 0
+            for s in scans:
+                signatures[start : start + len(s.signatures)] = s.signatures
+                start += len(s.signatures)
+                s.signatures = None
+    for s in scans:
+        s.signatures = None
     return Corpus(
         ids=np.array([i for s in scans for i in s.ids], dtype=object),
         kinds=np.array([k for s in scans for k in s.kinds], dtype=object),
@@ -103,7 +119,7 @@ def gather(scans: list[ShardScan]) -> Corpus:
         paths=np.array([k for s in scans for k in s.paths], dtype=object),
         quality=np.concatenate([s.quality for s in scans]) if scans else np.zeros(0),
         hashes=np.concatenate([s.hashes for s in scans]) if scans else np.zeros(0),
-        signatures=np.concatenate(sigs) if len(sigs) == len(scans) and sigs else None,
+        signatures=signatures,
         shard_of=np.concatenate([np.full(len(s.ids), i) for i, s in enumerate(scans)]) if scans else np.zeros(0, int),
     )
 
@@ -122,8 +138,13 @@ def exact_step(corpus: Corpus) -> np.ndarray:
 
 def band_pairs(corpus: Corpus, alive: np.ndarray, band: int, params: DedupParams) -> np.ndarray:
     """LSH candidate pairs (global rows) from one band, among alive rows with shingles."""
+    if not 0 <= band < params.minhash.bands:
+        raise ValueError(f"band {band} outside 0..{params.minhash.bands - 1}")
     rows = np.flatnonzero(alive & has_shingles(corpus.signatures))
-    return candidate_pairs_for_band(rows, band_buckets(corpus.signatures[rows], band, params.minhash))
+    width = params.minhash.rows
+    # Only this band's columns of the rows (32 B a document; whole signatures would be 448 B, per concurrent band).
+    values = corpus.signatures[rows, band * width : (band + 1) * width]
+    return candidate_pairs_for_band(rows, band_keys(values, band))
 
 
 def near_step(corpus: Corpus, alive: np.ndarray, pairs: list[np.ndarray]) -> np.ndarray:

@@ -7,13 +7,20 @@ A cascade over `kind == code` rows (text passes through untouched):
    encoded data, minified code, data/config files);
 3. syntax: the tree-sitter error-node ratio, with `ast` for Python;
 4. the domain model's perplexity over the first window, for the languages
-   the model knows: above `domain.model.max_perplexity`, or outside the
-   percentile band of the corpus's code perplexities, is dropped. Below
-   the band is as telling as above it: generated tables are too predictable.
+   the model knows: under `domain.model.min_perplexity` (generated tables
+   are far more predictable than hand-written code) or above
+   `domain.model.max_perplexity` is dropped. Both are fixed numbers,
+   calibrated for the model on the labelled set's calibration split
+   (`bench/labelled_code.py --calibrate`), so the screen's verdict on a file
+   does not depend on what else is in the corpus. A band of the corpus's own
+   perplexity percentiles (`domain.model.percentile_band`, the old default)
+   is still available as an option; it only catches a kind of generated file
+   while that kind is a few percent of the corpus.
 
-The effective-code ratio (the share of code that parses, is not generated,
-minified or encoded data, and lies inside the perplexity band) is measured on
-every input code document, so the stage can report it before and after.
+The summary reports the rule-clean share of the input and of what was kept
+(`filters.code_rules.rule_clean_flags`) and how many code files were never
+parsed. It describes the input by the stage's own rules; the stage's
+precision and recall are measured on labelled data by `assay.domain.evaluate`.
 """
 
 from __future__ import annotations
@@ -30,21 +37,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from assay.config import DomainParams, Params
+from assay.config import DomainModelParams, DomainParams, Params
 from assay.domain.perplexity import PerplexityScorer, estimate_band
 from assay.schema import DECISION_SCHEMA, KIND_CODE
 from assay.stages.shard_stage import scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.code_langid import identify_languages
-from filters.code_rules import CodeRulesFilter, effective_code_flags
+from filters.code_rules import RULE_CLEAN_PARTS, CodeRulesFilter, rule_clean_flags
 from filters.code_syntax import SyntaxFilter
 
 STAGE = "domain"
 PERPLEXITY = "code_perplexity"
 PPL_HIGH = "domain_model:perplexity_high"
 PPL_LOW = "domain_model:perplexity_low"
-#: The parts of the effective-code ratio, each a per-document boolean.
-EFFECTIVE_PARTS = ("parses", "not_generated", "not_minified", "not_encoded_data", "in_band")
+#: The parts of the rule-clean share, each a per-document boolean.
+CLEAN_PARTS = (*RULE_CLEAN_PARTS, "in_screen")
 
 
 @dataclass
@@ -67,7 +74,7 @@ def load_models(params: DomainParams) -> DomainModels:
 
 
 def perplexity_band(shards: list[str], params: DomainParams, models: DomainModels) -> tuple[float, float] | None:
-    """The corpus's perplexity band, estimated on a seeded reservoir sample of its code.
+    """The corpus's perplexity band (`percentile_band`, off by default), estimated on a seeded sample of its code.
 
     A sample keeps the stage one pass over the data: each shard's task can
     decide on its own, and a resumed run recomputes the same band.
@@ -92,14 +99,14 @@ def perplexity_band(shards: list[str], params: DomainParams, models: DomainModel
 
 def judge_batch(batch: pa.RecordBatch, params: DomainParams, models: DomainModels,
                 band: tuple[float, float] | None):
-    """(batch with corrected lang, keep, reason, scores, effective flags of code rows)."""
+    """(batch with corrected lang, keep, reason, scores, rule-clean flags of code rows)."""
     n = batch.num_rows
     keep = np.ones(n, dtype=bool)
     reason: list[str | None] = [None] * n
     scores: dict[str, np.ndarray] = {}
     code = np.flatnonzero(np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool))
     if not len(code):
-        return batch, keep, reason, scores, {part: np.zeros(0, dtype=bool) for part in EFFECTIVE_PARTS}
+        return batch, keep, reason, scores, {part: np.zeros(0, dtype=bool) for part in (*CLEAN_PARTS, "parse_checked")}
 
     if params.correct_lang:
         langs, changed = identify_languages(batch.take(pa.array(code)), params)
@@ -135,12 +142,7 @@ def judge_batch(batch: pa.RecordBatch, params: DomainParams, models: DomainModel
     rows = np.flatnonzero(screened)
     if len(rows):
         ppl[rows] = models.scorer.perplexity(sub.column("text").take(pa.array(rows)).to_pylist())
-    high = params.model.max_perplexity
-    low = 0.0
-    if band is not None:
-        low, high = max(low, band[0]), min(high, band[1])
-    too_high = screened & ~np.isnan(ppl) & (ppl > high)
-    too_low = screened & ~np.isnan(ppl) & (ppl < low)
+    too_low, too_high = screen_drops(ppl, screened, params.model, band)
     for j in np.flatnonzero(alive & (too_high | too_low)):
         reason[code[j]] = PPL_HIGH if too_high[j] else PPL_LOW
     alive &= ~(too_high | too_low)
@@ -149,9 +151,25 @@ def judge_batch(batch: pa.RecordBatch, params: DomainParams, models: DomainModel
     scores[PERPLEXITY] = full
     keep[code] = alive
 
-    flags = effective_code_flags(sub, params, syntax=syntax, failures=failures)
-    flags["in_band"] = ~(too_high | too_low)
+    flags = rule_clean_flags(sub, params, syntax=syntax, failures=failures)
+    flags["in_screen"] = ~(too_high | too_low)
     return batch, keep, reason, scores, flags
+
+
+def screen_drops(ppl: np.ndarray, screened: np.ndarray, params: DomainModelParams,
+                 band: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(too predictable, too surprising) per file, from its perplexity (NaN: not scored).
+
+    Fixed thresholds (`min_perplexity`, `max_perplexity`), narrowed by the
+    corpus's percentile band when one is given.
+    """
+    low = params.min_perplexity if params.min_perplexity is not None else 0.0
+    high = params.max_perplexity if params.max_perplexity is not None else np.inf
+    if band is not None:
+        low, high = max(low, band[0]), min(high, band[1])
+    scored = screened & ~np.isnan(ppl)
+    with np.errstate(invalid="ignore"):
+        return scored & (ppl < low), scored & (ppl > high)
 
 
 def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
@@ -178,14 +196,15 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
                 schema=DECISION_SCHEMA))
             code = np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool)
             kept_code = keep[code]
-            effective = np.logical_and.reduce([flags[p] for p in EFFECTIVE_PARTS]) if code.any() else np.zeros(0, bool)
+            clean = np.logical_and.reduce([flags[p] for p in CLEAN_PARTS]) if code.any() else np.zeros(0, bool)
             writer.counts["input"] += n
             writer.counts["kept"] += int(keep.sum())
             writer.counts["code_in"] += int(code.sum())
             writer.counts["code_kept"] += int(kept_code.sum())
-            writer.counts["effective_in"] += int(effective.sum())
-            writer.counts["effective_kept"] += int((effective & kept_code).sum())
-            for part in EFFECTIVE_PARTS:
+            writer.counts["never_parsed"] += int((~flags["parse_checked"]).sum()) if code.any() else 0
+            writer.counts["rule_clean_in"] += int(clean.sum())
+            writer.counts["rule_clean_kept"] += int((clean & kept_code).sum())
+            for part in CLEAN_PARTS:
                 writer.counts[f"part_in:{part}"] += int(flags[part].sum())
                 writer.counts[f"part_kept:{part}"] += int((flags[part] & kept_code).sum())
             writer.counts["lang_corrected"] += int(np.nansum(scores.get("domain:lang_corrected", np.zeros(1))))
@@ -198,15 +217,19 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     return writer.finish(bytes_in=Path(shard).stat().st_size, seconds=time.perf_counter() - started)
 
 
-def effective_ratio(counts: dict[str, int]) -> dict[str, object]:
-    """The effective-code ratio before and after the stage, with its parts."""
+def rule_clean_share(counts: dict[str, int]) -> dict[str, object]:
+    """The rule-clean share of the code before and after the stage, its parts, and the files never parsed.
+
+    "after" is 1 whenever the stage keeps only rule-clean code, as it does:
+    this describes the input, it does not measure the stage.
+    """
     code_in, code_kept = counts.get("code_in", 0), counts.get("code_kept", 0)
-    ratio = {
-        "before": counts.get("effective_in", 0) / code_in if code_in else None,
-        "after": counts.get("effective_kept", 0) / code_kept if code_kept else None,
+    return {
+        "before": counts.get("rule_clean_in", 0) / code_in if code_in else None,
+        "after": counts.get("rule_clean_kept", 0) / code_kept if code_kept else None,
         "code_in": code_in,
         "code_kept": code_kept,
-        "parts_before": {p: counts.get(f"part_in:{p}", 0) / code_in if code_in else None for p in EFFECTIVE_PARTS},
-        "parts_after": {p: counts.get(f"part_kept:{p}", 0) / code_kept if code_kept else None for p in EFFECTIVE_PARTS},
+        "never_parsed": counts.get("never_parsed", 0),
+        "parts_before": {p: counts.get(f"part_in:{p}", 0) / code_in if code_in else None for p in CLEAN_PARTS},
+        "parts_after": {p: counts.get(f"part_kept:{p}", 0) / code_kept if code_kept else None for p in CLEAN_PARTS},
     }
-    return ratio

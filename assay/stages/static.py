@@ -1,8 +1,8 @@
 """Tier 1 on one shard: heuristics, then the encoder, then the confidence score.
 
 A cascade, per record batch:
-1. the heuristic chain judges `kind == text` rows (sources in
-   `static.heuristics_exempt_sources` are exempt);
+1. the heuristic chain judges `kind == text` rows, each with its source's
+   filters (`static.source_rules`; every filter for sources not listed);
 2. every survivor, text or code, is embedded once by the shared encoder and
    its vector is stored (`embeddings/`) for dedup and the knowledge graph;
 3. text survivors get `quality` = P(high quality); a text row is kept when
@@ -32,7 +32,7 @@ from assay.schema import DECISION_SCHEMA, KIND_TEXT, embedding_schema
 from assay.stages.shard_stage import scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.base import Filter
-from filters.heuristics import apply_chain, build_heuristics
+from filters.heuristics import apply_by_source, build_heuristics, check_source_rules
 
 STAGE = "static"
 QUALITY = "quality"
@@ -56,8 +56,10 @@ def load_models(params: StaticParams) -> StaticModels:
     key = json.dumps(params.__dict__, default=lambda o: o.__dict__, sort_keys=True)
     with _MODELS_LOCK:
         if key not in _MODELS:
+            heuristics = build_heuristics(params.heuristics)
+            check_source_rules(heuristics, params.source_rules)  # a bad choice fails before any model loads
             encoder = shared_encoder(encoder_for(params))
-            _MODELS[key] = StaticModels(build_heuristics(params.heuristics), encoder, build_scorer(params))
+            _MODELS[key] = StaticModels(heuristics, encoder, build_scorer(params))
         return _MODELS[key]
 
 
@@ -70,18 +72,10 @@ def judge_batch(batch: pa.RecordBatch, params: StaticParams, models: StaticModel
     reason: list[str | None] = [None] * n
     scores: dict[str, np.ndarray] = {}
 
-    exempt = pc.is_in(batch.column("source"), value_set=pa.array(params.heuristics_exempt_sources, pa.string()))
-    judged = np.flatnonzero(~np.asarray(pc.fill_null(exempt, False), dtype=bool))
-    if len(judged):
-        sub = batch if len(judged) == n else batch.take(pa.array(judged))
-        result = apply_chain(models.heuristics, sub)
-        keep[judged] = result.keep
-        for j, i in enumerate(judged):
-            reason[i] = result.reason[j]
-        for key, values in result.scores.items():
-            full = np.full(n, np.nan)
-            full[judged] = values
-            scores[key] = full
+    result = apply_by_source(models.heuristics, batch, params.source_rules)
+    keep[:] = result.keep
+    reason = list(result.reason)
+    scores.update(result.scores)
 
     survivors = np.flatnonzero(keep)
     texts = batch.column("text")

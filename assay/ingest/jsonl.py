@@ -1,0 +1,729 @@
+"""JSON lines → documents: Arrow's C++ parser on blocks, Python on the lines it cannot vouch for.
+
+Every line is judged on its own: a malformed, non-UTF-8, binary, empty or
+too large line is quarantined with its line number and raw bytes, and the
+rest of its block is kept. `parse_line` is that judgement, one line at a time
+in Python; `ingest_jsonl_lines` applies it to every line and is the reference.
+
+The default reader (`ingest_jsonl_blocks`) gets the same output faster: it
+reads blocks, splits them at newlines, and hands the lines that can only be
+plain JSON objects to `pyarrow.json` in one call. A block that Arrow rejects
+is split at the row Arrow names (or halved) until the lines it rejects are
+alone; those, and every row whose Arrow value could differ from Python's
+(see `_value_flags`), go through `parse_line`. Arrow infers types per call,
+so each parsed piece is converted to the document schema on its own and a
+field's type may change from one piece to the next.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+
+from assay import languages
+from assay.ingest.decode import decode
+from assay.ingest.plan import IngestOptions, Unit
+from assay.schema import (
+    DOCUMENT_SCHEMA,
+    INVALID_BINARY,
+    INVALID_EMPTY,
+    INVALID_ENCODING,
+    INVALID_JSON,
+    INVALID_RECORD,
+    INVALID_TOO_LARGE,
+    document_id,
+)
+
+if TYPE_CHECKING:
+    from assay.ingest.readers import Sink
+
+#: Headroom over ingest.max_bytes for a line's other fields and JSON escapes.
+LINE_SLACK = 65536
+#: Record fields that fill document columns when they hold a non-empty string.
+COLUMN_FIELDS = ("kind", "lang", "source", "path")
+#: What `str.strip()` removes (every `str.isspace()` character; a test keeps
+#: this in step). Arrow's own whitespace trim uses another set.
+PY_WHITESPACE = (
+    "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+    "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+#: Pieces of at most this many lines that Arrow rejects go to Python whole,
+#: which bounds the Arrow calls a very dirty block costs.
+SMALL_PIECE = 16
+
+#: RE2 gives up at the first character outside the class, so this is cheap on text.
+_BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in PY_WHITESPACE) + "]*$"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ERROR_ROW = re.compile(r" in row (\d+)$")
+
+
+@dataclass(frozen=True)
+class LineDoc:
+    number: int
+    id: str
+    text: str
+    kind: str | None  # None: detected with the batch
+    lang: str | None
+    source: str
+    path: str
+    meta: str  # JSON object
+    hint: str  # the record's own path, for kind/lang detection
+
+
+@dataclass(frozen=True)
+class LineBad:
+    number: int
+    id: str
+    path: str
+    reason: str
+    detail: str
+    raw: bytes | None
+
+
+# --- reading --------------------------------------------------------------------------
+
+
+def open_lines(path: str):
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def read_lines(handle, limit: int) -> Iterator[tuple[int, bytes, bool, int]]:
+    """(line number, bytes, too_long, bytes read); an over-long line is skipped, not loaded."""
+    number = 0
+    while True:
+        line = handle.readline(limit + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > limit and not line.endswith(b"\n"):
+            size = len(line)
+            while True:  # drain the rest of the line in bounded pieces
+                rest = handle.readline(1 << 20)
+                size += len(rest)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield number, line[:256], True, size
+            continue
+        yield number, line, False, len(line)
+
+
+def _blocks(handle, block_bytes: int, limit: int) -> Iterator[tuple[bytes | bytearray | None, int]]:
+    """(whole lines, bytes read) in file order; the caller numbers the lines.
+
+    A line longer than `limit` comes as (None, its size): it is drained, never
+    held. A read error is raised after the whole lines read before it; the
+    partial line it cut is dropped, as `read_lines` drops it.
+    """
+    pending = b""
+    while True:
+        data, chunk_size, error = _read_after(handle, pending, block_bytes)
+        if not chunk_size:
+            if error is not None:
+                raise error
+            if data:  # the last line has no newline
+                yield (None if len(data) > limit else data), len(data)
+            return
+        cut = data.rfind(b"\n") + 1
+        pending = bytes(data[cut:])
+        if cut:
+            if isinstance(data, bytearray):
+                del data[cut:]  # in place: no copy of the block
+            else:
+                data = data[:cut]
+            yield data, cut
+        if error is not None:
+            raise error
+        if len(pending) > limit:
+            size = len(pending)
+            while True:
+                chunk, _, error = _read_after(handle, b"", block_bytes)
+                if error is not None:
+                    raise error
+                end = chunk.find(b"\n")
+                if not chunk or end >= 0:
+                    size += end + 1 if end >= 0 else 0
+                    pending = bytes(chunk[end + 1:]) if end >= 0 else b""
+                    break
+                size += len(chunk)
+            yield None, size
+
+
+def _read_after(handle, pending: bytes, size: int) -> tuple[bytes | bytearray, int, BaseException | None]:
+    """`pending` followed by up to `size` more bytes, how many were read, and the error that stopped reading.
+
+    A gzip stream is read with `read1` so that what was decompressed before a
+    truncation or corruption is kept, as the line reader keeps those lines.
+    """
+    if not isinstance(handle, gzip.GzipFile):
+        buffer = bytearray(len(pending) + size)
+        buffer[:len(pending)] = pending
+        got = handle.readinto(memoryview(buffer)[len(pending):])
+        del buffer[len(pending) + got:]
+        return buffer, got, None
+    parts, got = [pending], 0
+    try:
+        while got < size:
+            part = handle.read1(size - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+    except (OSError, EOFError, zlib.error) as exc:
+        return b"".join(parts), got, exc
+    return b"".join(parts), got, None
+
+
+# --- one line in Python ---------------------------------------------------------------
+
+
+def _record_fields(record: dict, options: IngestOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a record into contract columns and everything else (→ meta)."""
+    columns, meta = {}, {}
+    for key, value in record.items():
+        if key in (options.text_field, options.id_field):
+            continue
+        if key in COLUMN_FIELDS and isinstance(value, str) and value:
+            columns[key] = value
+        elif key == "meta" and isinstance(value, dict):
+            meta.update(value)
+        else:
+            meta[key] = value
+    return columns, meta
+
+
+def _text_problem(text: str, max_bytes: int) -> tuple[str, str] | None:
+    if not text.strip():
+        return INVALID_EMPTY, "text is empty or whitespace"
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        return INVALID_TOO_LARGE, f"text is {size} bytes > ingest.max_bytes={max_bytes}"
+    if "\x00" in text:
+        return INVALID_BINARY, "text contains NUL characters"
+    return None
+
+
+def parse_line(number: int, line: bytes, unit: Unit, options: IngestOptions, label: str) -> LineDoc | LineBad | None:
+    """One line judged on its own: a document, a quarantined record, or None for a blank line."""
+    locator = f"{label}:{number}"
+    fallback_id = document_id(unit.source, f"line:{number}")
+    if not line.strip():
+        return None
+    decoded = decode(line, fallback_encodings=list(options.fallback_encodings), min_confidence=options.encoding_confidence)
+    if decoded.text is None:
+        return LineBad(number, fallback_id, locator, decoded.reason, f"line {number}: {decoded.detail}", line)
+    try:
+        record = json.loads(decoded.text)
+    except json.JSONDecodeError as exc:
+        return LineBad(number, fallback_id, locator, INVALID_JSON, f"line {number}: {exc.msg} (column {exc.colno})", line)
+    if not isinstance(record, dict):
+        return LineBad(number, fallback_id, locator, INVALID_RECORD, f"line {number}: not a JSON object", line)
+    raw_id = record.get(options.id_field)
+    doc_id = str(raw_id) if raw_id not in (None, "") else fallback_id
+    text = record.get(options.text_field)
+    if not isinstance(text, str):
+        what = "missing" if text is None else f"a {type(text).__name__}, not a string"
+        return LineBad(number, doc_id, locator, INVALID_RECORD, f"line {number}: field '{options.text_field}' is {what}", line)
+    reason = _text_problem(text, options.max_bytes)
+    if reason:
+        return LineBad(number, doc_id, locator, reason[0], f"line {number}: {reason[1]}", line)
+    columns, meta = _record_fields(record, options)
+    if decoded.encoding:
+        meta["encoding"] = decoded.encoding
+    meta_json = json.dumps(meta, ensure_ascii=False, sort_keys=True)
+    doc = LineDoc(number, doc_id, text, columns.get("kind"), columns.get("lang"), columns.get("source", unit.source),
+                  columns.get("path", locator), meta_json, columns.get("path", ""))
+    # JSON can escape half of a surrogate pair; Python keeps it, but no UTF-8 store can.
+    if _SURROGATE_ESCAPE.search(line):
+        try:
+            "".join((doc.id, doc.text, doc.kind or "", doc.lang or "", doc.source, doc.path, doc.meta)).encode("utf-8")
+        except UnicodeEncodeError:
+            return LineBad(number, doc_id, locator, INVALID_ENCODING,
+                           f"line {number}: a \\u escape encodes a lone surrogate, which is not text", line)
+    return doc
+
+
+def ingest_jsonl_lines(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
+    """The reference reader: every line parsed by `parse_line`."""
+    label = Path(unit.path).name
+    bytes_in = 0
+    with open_lines(unit.path) as handle:
+        for number, line, too_long, size in read_lines(handle, options.max_bytes + LINE_SLACK):
+            bytes_in += size
+            if too_long:
+                _quarantine(sink, unit, _too_long(unit, options, label, number))
+                continue
+            result = parse_line(number, line, unit, options, label)
+            if result is None:
+                sink.writer.counts["blank_lines"] += 1
+            elif isinstance(result, LineBad):
+                _quarantine(sink, unit, result)
+            else:
+                sink.document(result.id, result.text, result.kind, result.lang, result.source, result.path,
+                              result.meta, name_hint=result.hint)
+    return bytes_in
+
+
+def _too_long(unit: Unit, options: IngestOptions, label: str, number: int) -> LineBad:
+    """A line over the limit: its locator only, since its bytes were never held."""
+    return LineBad(number, document_id(unit.source, f"line:{number}"), f"{label}:{number}", INVALID_TOO_LARGE,
+                   f"line {number} longer than ingest.max_bytes={options.max_bytes}", None)
+
+
+def _quarantine(sink: "Sink", unit: Unit, bad: LineBad) -> None:
+    sink.invalid(bad.id, unit.source, bad.path, bad.reason, bad.detail, bad.raw)
+
+
+# --- blocks through Arrow ----------------------------------------------------------------
+
+
+def ingest_jsonl(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
+    if options.jsonl_parser == "lines":
+        return ingest_jsonl_lines(unit, sink, options)
+    return ingest_jsonl_blocks(unit, sink, options)
+
+
+def ingest_jsonl_blocks(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
+    label = Path(unit.path).name
+    limit = options.max_bytes + LINE_SLACK
+    bytes_in, number = 0, 0  # lines so far
+    with open_lines(unit.path) as handle:
+        for block, size in _blocks(handle, options.jsonl_block_bytes, limit):
+            bytes_in += size
+            if block is None:
+                number += 1
+                _quarantine(sink, unit, _too_long(unit, options, label, number))
+                continue
+            lines = _Block(block, number + 1, unit, options, label, limit)
+            number += lines.n
+            lines.prepare().emit(sink)
+    return bytes_in
+
+
+class _Block:
+    """The whole lines of one block, judged as `parse_line` would, mostly by Arrow."""
+
+    def __init__(self, data: bytes, first: int, unit: Unit, options: IngestOptions, label: str, limit: int):
+        self.data, self.first, self.unit, self.options, self.label, self.limit = data, first, unit, options, label, limit
+        a = np.frombuffer(data, np.uint8)
+        ends = np.flatnonzero(a == 10) + 1
+        if not len(ends) or ends[-1] != len(data):
+            ends = np.append(ends, len(data))
+        self.starts = np.concatenate(([0], ends[:-1])).astype(np.int64)
+        self.ends = ends.astype(np.int64)
+        self.n = len(self.ends)
+        self.docs: list[tuple[np.ndarray, dict[str, pa.Array]]] = []  # (line indices, columns)
+        self.python: list[int] = []  # line indices for parse_line
+        self.bad: list[LineBad] = []
+        self.too_long: list[int] = []
+        self.blank = 0
+        self.batch: pa.RecordBatch | None = None
+
+    def line(self, i: int) -> bytes:
+        return bytes(self.data[self.starts[i]:self.ends[i]])
+
+    def number(self, i: int) -> int:
+        return self.first + int(i)
+
+    # -- sorting the lines --
+
+    def prepare(self) -> "_Block":
+        """Everything but the writing."""
+        a = np.frombuffer(self.data, np.uint8)
+        has_newline = a[self.ends - 1] == 10
+        too_long = (self.ends - self.starts - has_newline) > self.limit
+        # Only a line that starts with "{" can be a JSON object Arrow parses
+        # as `json.loads` would; blank lines, a BOM, leading spaces and
+        # anything else are left to Python.
+        python = a[self.starts] != ord("{")
+        # Raw NUL and DEL bytes make a line binary to `decode`; Arrow would
+        # accept DEL inside a string.
+        for byte in (b"\x00", b"\x7f"):
+            if byte in self.data:
+                at = np.flatnonzero(a == byte[0])
+                python[np.searchsorted(self.ends, at, side="right")] = True
+        if not _is_utf8(self.data):  # Arrow does not check; `decode` may still read a legacy encoding
+            for i in np.flatnonzero(~python & ~too_long):
+                try:
+                    self.line(i).decode("utf-8")
+                except UnicodeDecodeError:
+                    python[i] = True
+        self.too_long = np.flatnonzero(too_long).tolist()
+        self.python.extend(np.flatnonzero(python & ~too_long).tolist())
+        arrow = np.flatnonzero(~python & ~too_long)
+        if len(arrow):
+            self._parse(arrow)
+        self._finish()
+        return self
+
+    def _parse(self, lines: np.ndarray) -> None:
+        """Arrow on these lines; what it rejects is split off and retried, down to single lines."""
+        work = [lines]
+        while work:
+            piece = work.pop()
+            try:
+                table = self._read_json(piece)
+            except pa.ArrowException as exc:
+                if len(piece) <= SMALL_PIECE:
+                    self.python.extend(piece.tolist())
+                    continue
+                message = str(exc)
+                match = _ERROR_ROW.search(message)
+                row = int(match.group(1)) if match else -1
+                if 0 < row < len(piece) and "changed from" in message:
+                    # A field whose type changes is valid JSON: split there, both halves to Arrow.
+                    work.extend((piece[:row], piece[row:]))
+                elif 0 <= row < len(piece):
+                    # The named row goes to Python; the rows around it are retried.
+                    self.python.append(int(piece[row]))
+                    work.extend(p for p in (piece[:row], piece[row + 1:]) if len(p))
+                else:
+                    half = len(piece) // 2
+                    work.extend((piece[:half], piece[half:]))
+                continue
+            if table.num_rows != len(piece):  # a line held more than one value
+                if len(piece) <= SMALL_PIECE:
+                    self.python.extend(piece.tolist())
+                else:
+                    half = len(piece) // 2
+                    work.extend((piece[:half], piece[half:]))
+                continue
+            self._convert(piece, table)
+
+    def _read_json(self, lines: np.ndarray) -> pa.Table:
+        if len(lines) == self.n:
+            buffer = self.data
+        else:
+            buffer = b"".join(self.data[s:e] for s, e in zip(self.starts[lines].tolist(), self.ends[lines].tolist()))
+        if not buffer.endswith(b"\n"):
+            buffer = bytes(buffer) + b"\n"  # never in place: the block is a bytearray
+        read_options = pa_json.ReadOptions(use_threads=False, block_size=len(buffer) + 1)
+        table = pa_json.read_json(pa.BufferReader(buffer), read_options=read_options)
+        if _has_timestamp(table.schema):
+            # Arrow reads ISO dates as timestamps; the text as written is what Python keeps.
+            schema = pa.schema([f.with_type(_timestamps_as_strings(f.type)) for f in table.schema])
+            table = pa_json.read_json(pa.BufferReader(buffer), read_options=read_options,
+                                      parse_options=pa_json.ParseOptions(explicit_schema=schema))
+        return table
+
+    # -- Arrow rows → documents --
+
+    def _convert(self, lines: np.ndarray, table: pa.Table) -> None:
+        options = self.options
+        tf, idf = options.text_field, options.id_field
+        n = table.num_rows
+        cols = {name: _one_chunk(table.column(name)) for name in table.column_names}
+        to_python = np.zeros(n, bool)
+
+        text = cols.get(tf)
+        if text is None or pa.types.is_null(text.type):
+            text = pa.nulls(n, pa.large_string())
+        elif pa.types.is_string(text.type) or pa.types.is_large_string(text.type):
+            text = text.cast(pa.large_string())
+        else:  # numbers, objects...: Python names the type in the detail
+            self.python.extend(lines.tolist())
+            return
+
+        given_id = cols.get(idf)
+        if given_id is not None:
+            if pa.types.is_integer(given_id.type):
+                given_id = given_id.cast(pa.string())
+            elif pa.types.is_null(given_id.type):
+                given_id = None
+            elif not pa.types.is_string(given_id.type):  # Python's str() of a float, bool or object
+                to_python |= _np(given_id.is_valid())
+                given_id = None
+
+        # Which values become columns and which go to meta, as `_record_fields` splits them.
+        column_values: dict[str, pa.Array] = {}
+        to_meta: list[tuple[str, pa.Array, np.ndarray]] = []  # (field, values, rows whose value goes to meta)
+        nullish = np.zeros(n, bool)  # a null Arrow value: the field was missing, or null
+        for name, values in cols.items():
+            if name in (tf, idf):
+                continue
+            missing = _np(values.is_null())
+            inner_null, inexact = _value_flags(values)
+            nullish |= missing | inner_null
+            to_python |= inexact
+            if name in COLUMN_FIELDS and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+                usable = _np(pc.fill_null(pc.not_equal(values, ""), False))
+                column_values[name] = pc.if_else(usable, values, None).cast(pa.string())
+                to_meta.append((name, values, ~usable & ~missing))
+            else:
+                to_meta.append((name, values, ~missing))
+        meta_struct = cols.get("meta") if "meta" not in (tf, idf) else None
+        if meta_struct is not None and pa.types.is_struct(meta_struct.type):
+            # `dict.update` in field order decides a clash; Arrow keeps no per-row order.
+            clashes = {meta_struct.type.field(i).name for i in range(meta_struct.type.num_fields)} & set(cols)
+            if clashes:
+                to_python |= _np(meta_struct.is_valid())
+        # A null is only ambiguous if the line holds a JSON null at all.
+        for i in np.flatnonzero(nullish & ~to_python):
+            if b"null" in self.line(lines[i]):
+                to_python[i] = True
+
+        numbers = self.first + lines
+        missing_text = _np(text.is_null())
+        empty = _blank(text)
+        nbytes = _np(pc.fill_null(pc.binary_length(text), 0))
+        too_large = nbytes > options.max_bytes
+        nul = _has_nul(text)
+        problem = missing_text | empty | too_large | nul
+
+        id_usable = (_np(pc.fill_null(pc.not_equal(given_id, ""), False)) if given_id is not None else np.zeros(n, bool))
+        need_fallback = ~id_usable & ~to_python
+        fallback: list[str | None] = [None] * n
+        for i in np.flatnonzero(need_fallback):
+            fallback[i] = document_id(self.unit.source, f"line:{numbers[i]}")
+        ids = pa.array(fallback, pa.string())
+        if given_id is not None:
+            ids = pc.if_else(pa.array(id_usable), given_id.cast(pa.string()), ids)
+
+        for i in np.flatnonzero(problem & ~to_python):
+            number = int(numbers[i])
+            if missing_text[i]:
+                reason, detail = INVALID_RECORD, f"field '{tf}' is missing"
+            elif empty[i]:
+                reason, detail = INVALID_EMPTY, "text is empty or whitespace"
+            elif too_large[i]:
+                reason, detail = INVALID_TOO_LARGE, f"text is {int(nbytes[i])} bytes > ingest.max_bytes={options.max_bytes}"
+            else:
+                reason, detail = INVALID_BINARY, "text contains NUL characters"
+            self.bad.append(LineBad(number, ids[int(i)].as_py(), f"{self.label}:{number}", reason, f"line {number}: {detail}",
+                                    self.line(lines[i])))
+
+        self.python.extend(lines[to_python].tolist())
+        good = ~problem & ~to_python
+        if not good.any():
+            return
+        take = pa.array(np.flatnonzero(good))
+        locators = None
+        path = column_values.get("path")
+        if path is None or path.null_count:
+            locators = pa.array([f"{self.label}:{k}" for k in numbers[good].tolist()], pa.string())
+        good_path = path.take(take) if path is not None else None
+        documents = {
+            "id": ids.take(take),
+            "text": text.take(take),
+            "kind": _given(column_values, "kind", take),
+            "lang": _given(column_values, "lang", take),
+            "source": pc.fill_null(column_values["source"].take(take), self.unit.source)
+            if "source" in column_values else pa.array([self.unit.source] * len(take), pa.string()),
+            "path": good_path if locators is None else (pc.coalesce(good_path, locators) if good_path is not None else locators),
+            "meta": self._meta(to_meta, np.flatnonzero(good)),
+            "hint": pc.fill_null(good_path, "") if good_path is not None else pa.array([""] * len(take), pa.string()),
+        }
+        self.docs.append((lines[good], documents))
+
+    def _meta(self, to_meta: list[tuple[str, pa.Array, np.ndarray]], rows: np.ndarray) -> pa.Array:
+        """The meta JSON of these rows; a null Arrow value here is a field the line did not have."""
+        dicts: dict[int, dict[str, Any]] = {}
+        for name, values, goes in to_meta:
+            chosen = rows[goes[rows]]
+            if not len(chosen):
+                continue
+            picked = values.take(pa.array(chosen)).to_pylist()
+            merge = name == "meta" and pa.types.is_struct(values.type)
+            for row, value in zip(chosen.tolist(), picked):
+                target = dicts.setdefault(row, {})
+                if merge:
+                    target.update(_drop_missing(value))
+                else:
+                    target[name] = _drop_missing(value)
+        if not dicts:
+            return pa.array(["{}"] * len(rows), pa.string())
+        return pa.array([json.dumps(dicts[r], ensure_ascii=False, sort_keys=True) if r in dicts else "{}"
+                         for r in rows.tolist()], pa.string())
+
+    # -- out, in line order --
+
+    def _finish(self) -> None:
+        """Python's lines parsed, the bad ones sorted, the documents in line order with kind and lang."""
+        parsed: list[LineDoc] = []
+        for i in sorted(self.python):
+            result = parse_line(self.number(i), self.line(i), self.unit, self.options, self.label)
+            if result is None:
+                self.blank += 1
+            elif isinstance(result, LineBad):
+                self.bad.append(result)
+            else:
+                parsed.append(result)
+        too_long = [_too_long(self.unit, self.options, self.label, self.number(i)) for i in self.too_long]
+        self.bad = sorted(self.bad + too_long, key=lambda b: b.number)
+
+        parts = [columns for _, columns in self.docs]
+        order = [lines for lines, _ in self.docs]
+        if parsed:
+            parts.append({
+                "id": pa.array([d.id for d in parsed], pa.string()),
+                "text": pa.array([d.text for d in parsed], pa.large_string()),
+                "kind": pa.array([d.kind for d in parsed], pa.string()),
+                "lang": pa.array([d.lang for d in parsed], pa.string()),
+                "source": pa.array([d.source for d in parsed], pa.string()),
+                "path": pa.array([d.path for d in parsed], pa.string()),
+                "meta": pa.array([d.meta for d in parsed], pa.string()),
+                "hint": pa.array([d.hint for d in parsed], pa.string()),
+            })
+            order.append(np.array([d.number - self.first for d in parsed], np.int64))
+        if not parts:
+            return
+        columns = {name: pa.concat_arrays([p[name] for p in parts]) for name in parts[0]}
+        if len(parts) > 1:
+            take = pa.array(np.argsort(np.concatenate(order), kind="stable"))
+            columns = {name: values.take(take) for name, values in columns.items()}
+        columns["kind"], columns["lang"] = detect_kind_and_lang(columns["text"], columns["hint"], columns["kind"], columns["lang"])
+        self.batch = pa.RecordBatch.from_arrays([columns[name] for name in DOCUMENT_SCHEMA.names], schema=DOCUMENT_SCHEMA)
+
+    def emit(self, sink: "Sink") -> None:
+        """Hand the results to the sink, in line order."""
+        counts = sink.writer.counts
+        if self.blank:
+            counts["blank_lines"] += self.blank
+        counts["jsonl_lines_python"] += len(self.python)
+        counts["jsonl_lines_arrow"] += self.n - len(self.python) - len(self.too_long)
+        for bad in self.bad:
+            _quarantine(sink, self.unit, bad)
+        if self.batch is not None:
+            sink.documents_batch(self.batch)
+
+
+def detect_kind_and_lang(texts: pa.Array, hints: pa.Array, kinds: pa.Array, langs: pa.Array) -> tuple[pa.Array, pa.Array]:
+    """Given kinds/langs where set (null elsewhere), detected ones for the rest, on Arrow columns.
+
+    Detection only reads the first `languages.SNIFF_CHARS` characters, so only
+    those are handed over: the whole texts would be copied by its `take`s.
+    """
+    missing = _np(pc.or_(kinds.is_null(), langs.is_null()))
+    if not missing.any():
+        return kinds, langs
+    rows = pa.array(np.flatnonzero(missing))
+    heads = pc.utf8_slice_codeunits(texts.take(rows) if len(rows) < len(texts) else texts, 0, languages.SNIFF_CHARS)
+    found_kinds, found_langs = languages.classify_batch(heads, hints.take(rows))
+    if len(rows) < len(texts):
+        positions = np.full(len(texts), -1, np.int64)
+        positions[missing] = np.arange(len(rows))
+        take = pa.array(np.where(missing, positions, 0))
+        found_kinds, found_langs = found_kinds.take(take), found_langs.take(take)
+    return pc.coalesce(kinds, found_kinds), pc.coalesce(langs, found_langs)
+
+
+# --- Arrow helpers -------------------------------------------------------------------
+
+
+def _np(array: pa.Array) -> np.ndarray:
+    return array.to_numpy(zero_copy_only=False)
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _given(columns: dict[str, pa.Array], name: str, take: pa.Array) -> pa.Array:
+    return columns[name].take(take) if name in columns else pa.nulls(len(take), pa.string())
+
+
+def _has_nul(text: pa.Array) -> np.ndarray:
+    """Per string: does it hold a NUL character? (Null strings: False.)
+
+    NULs are rare and Arrow's substring search is slow, so the whole value
+    buffer is checked first with one vectorised minimum.
+    """
+    values = text.buffers()[2]
+    if values is None or not values.size or np.frombuffer(values, np.uint8).min() != 0:
+        return np.zeros(len(text), bool)
+    return _np(pc.fill_null(pc.match_substring(text, "\x00"), False))
+
+
+def _blank(text: pa.Array) -> np.ndarray:
+    """Per string: would `str.strip()` leave nothing? (Null strings: False.)"""
+    return _np(pc.fill_null(pc.match_substring_regex(text, _BLANK), False))
+
+
+def _is_utf8(data: bytes) -> bool:
+    array = pa.LargeStringArray.from_buffers(1, pa.py_buffer(np.array([0, len(data)], np.int64)), pa.py_buffer(data))
+    try:
+        array.validate(full=True)
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _has_timestamp(schema_or_type) -> bool:
+    types = [f.type for f in schema_or_type] if isinstance(schema_or_type, pa.Schema) else [schema_or_type]
+    for t in types:
+        if pa.types.is_timestamp(t):
+            return True
+        if pa.types.is_struct(t) and _has_timestamp(pa.schema(list(t))):
+            return True
+        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _has_timestamp(t.value_type):
+            return True
+    return False
+
+
+def _timestamps_as_strings(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_timestamp(t):
+        return pa.string()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_timestamps_as_strings(f.type)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_timestamps_as_strings(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_timestamps_as_strings(t.value_type)))
+    return t
+
+
+def _value_flags(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Per value: (a null inside an object, a number Arrow may have changed).
+
+    A null object member may be a missing key, which Python leaves out, or a
+    JSON null, which it keeps. A float column may hold integers written as
+    such (Python keeps `1`, Arrow gives `1.0`), and Arrow reads `-NaN`, which
+    Python rejects: only finite numbers with a fraction are taken as they are.
+    A null list element is unambiguous.
+    """
+    n = len(values)
+    t = values.type
+    none = np.zeros(n, bool)
+    if pa.types.is_struct(t):
+        valid = _np(values.is_valid())
+        inner, inexact = none.copy(), none.copy()
+        for child in values.flatten():
+            child_inner, child_inexact = _value_flags(child)
+            inner |= child_inner | _np(child.is_null())
+            inexact |= child_inexact
+        return inner & valid, inexact & valid
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        items = pc.list_flatten(values)
+        if not len(items):
+            return none, none
+        parents = _np(pc.list_parent_indices(values))
+        item_inner, item_inexact = _value_flags(items)
+        return (np.bincount(parents, weights=item_inner, minlength=n) > 0,
+                np.bincount(parents, weights=item_inexact, minlength=n) > 0)
+    if pa.types.is_floating(t):
+        x = _np(values.cast(pa.float64())).astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            exact = np.isfinite(x) & (np.floor(x) != x)
+        return none, _np(values.is_valid()) & ~exact
+    if (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_boolean(t) or pa.types.is_null(t)):
+        return none, none
+    return none, _np(values.is_valid())  # a type Arrow inferred that JSON does not have
+
+
+def _drop_missing(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_missing(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_missing(v) for v in value]
+    return value

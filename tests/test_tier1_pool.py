@@ -1,0 +1,189 @@
+"""Tier 1 on the demo corpus's labelled pool: real files of this machine, labels by provenance.
+
+The pool and its labels are `assay.ingest.demo` and `assay.quality.pool`
+(labels written down before any score was seen). These tests read a small
+seeded sample of the pool straight from disk (the same files `assay ingest
+demo` reads), so they run in seconds; the full measurement is
+`bench/tier1_pool.py` (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from assay.config import DemoParams, HeuristicsParams, Params
+from assay.ingest.decode import decode
+from assay.ingest.demo import POOL_SOURCES, pool_entries
+from assay.ingest.readers import read_entry
+from assay.quality.pool import (
+    DEV,
+    GOOD,
+    JUNK,
+    MEASURED,
+    MIN_GOOD_CHARS,
+    POOL_LABELS,
+    UNLABELLED,
+    in_negatives_part,
+    keep_rates,
+    pool_labels,
+    pool_parts,
+)
+from filters.gopher import GopherQualityFilter
+from filters.heuristics import apply_chain, build_heuristics
+
+SAMPLE = DemoParams(seed=1, package_metadata=60, package_records=30, entry_points=20, doc_readmes=60, doc_news=40,
+                    doc_changelogs=10, debian_changelogs=30, doc_copyright=10, dpkg_manifests=30, logs=10)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    docs = {"text": [], "source": [], "path": []}
+    for entry in pool_entries(SAMPLE, random.Random(SAMPLE.seed)):
+        data = read_entry(entry, 10_000_000)
+        if isinstance(data, int):
+            continue
+        text = decode(data, fallback_encodings=["cp1252"], min_confidence=0.9).text
+        if text and text.strip():
+            docs["text"].append(text)
+            docs["source"].append(entry.source)
+            docs["path"].append(entry.locator)
+    docs["label"] = pool_labels(docs["source"], [len(t) for t in docs["text"]])
+    good, junk = (docs["label"] == GOOD).sum(), (docs["label"] == JUNK).sum()
+    if good < 40 or junk < 40:
+        pytest.skip(f"this machine lacks the pool's files ({good} good, {junk} junk documents)")
+    return docs
+
+
+def batch(docs) -> pa.RecordBatch:
+    return pa.record_batch({"text": pa.array(docs["text"], pa.large_string()),
+                            "kind": pa.array(["text"] * len(docs["text"]))})
+
+
+def test_labels_are_by_provenance_only():
+    assert set(POOL_LABELS) == set(POOL_SOURCES)
+    labels = pool_labels(["doc-readme", "doc-readme", "pypi-record", "doc-copyright", "man"],
+                         [MIN_GOOD_CHARS, MIN_GOOD_CHARS - 1, 10, 5000, 5000])
+    assert labels.tolist() == [GOOD, UNLABELLED, JUNK, UNLABELLED, UNLABELLED]  # the reference is not in the pool
+
+
+def test_negatives_part_is_a_stable_share_of_ids():
+    ids = [f"doc{i}" for i in range(4000)]
+    part = in_negatives_part(ids, 0.3, seed=0)
+    assert abs(part.mean() - 0.3) < 0.03
+    assert (in_negatives_part(ids, 0.3, seed=0) == part).all()
+    assert not (in_negatives_part(ids, 0.3, seed=1) == part).all()
+    assert in_negatives_part(ids, 0.0, 0).sum() == 0 and in_negatives_part(ids, 1.0, 0).all()
+    with pytest.raises(ValueError):
+        in_negatives_part(ids, 1.5, 0)
+
+
+def test_pool_parts_follow_the_shares():
+    ids = [f"doc{i}" for i in range(4000)]
+    parts = pool_parts(ids, 0.3, 0.2, seed=0)
+    assert abs((parts == "negatives").mean() - 0.3) < 0.03 and abs((parts == DEV).mean() - 0.2) < 0.03
+    assert ((parts == "negatives") == in_negatives_part(ids, 0.3, 0)).all()  # the same cut as training's
+    with pytest.raises(ValueError):
+        pool_parts(ids, 0.8, 0.3, 0)
+
+
+def test_keep_rates_by_hand():
+    labels = np.array([GOOD, GOOD, JUNK, JUNK, JUNK, UNLABELLED])
+    kept = np.array([True, False, True, False, False, True])
+    r = keep_rates(labels, kept)
+    assert r["good_kept"] == 0.5 and r["junk_dropped"] == pytest.approx(2 / 3) and r["precision"] == 0.5
+
+
+def test_gopher_quality_with_the_papers_words_keeps_real_prose_and_drops_junk(pool):
+    """The issue's measurement: datatrove's word definition dropped most good prose by alpha_words_frac."""
+    labels = pool["label"]
+    paper = keep_rates(labels, GopherQualityFilter(words="paper").apply(batch(pool)).keep)
+    datatrove_result = GopherQualityFilter(words="datatrove").apply(batch(pool))
+    datatrove = keep_rates(labels, datatrove_result.keep)
+    assert paper["good_kept"] >= 0.8 and paper["junk_dropped"] >= 0.9, paper
+    assert datatrove["good_kept"] < 0.5, datatrove
+    lost = [r for r, lab in zip(datatrove_result.reason, labels) if lab == GOOD and r]
+    assert lost.count("gopher_quality:alpha_words_frac") > len(lost) / 2
+
+
+def test_heuristic_chain_with_the_papers_words_keeps_more_prose(pool):
+    """The full FineWeb-order chain: paper words keep far more good prose, junk is still dropped."""
+    labels = pool["label"]
+    paper = keep_rates(labels, apply_chain(build_heuristics(HeuristicsParams(words="paper")), batch(pool)).keep)
+    datatrove = keep_rates(labels, apply_chain(build_heuristics(HeuristicsParams(words="datatrove")), batch(pool)).keep)
+    assert paper["junk_dropped"] >= 0.9, paper
+    assert paper["good_kept"] >= datatrove["good_kept"] + 0.2, (paper, datatrove)
+
+
+def test_training_negatives_never_come_from_the_measured_part(tmp_path):
+    """The head's negatives come only from the negatives share; read_pool measures exactly the rest."""
+    from assay.quality.pool import read_pool
+    from assay.quality.train import reference_examples
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    n = 300
+    sources = ["man"] * 100 + ["doc-readme"] * 100 + ["pypi-record"] * 100
+    ids = [f"doc-{i}" for i in range(n)]
+    table = pa.table({
+        "id": ids, "text": [f"Document {i} says something." for i in range(n)], "kind": ["text"] * n,
+        "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n,
+    })
+    with ShardWriter(tmp_path / "raw", DOCUMENT_SCHEMA) as writer:
+        writer.write(table)
+    write_manifest(tmp_path / "raw", {"documents": n})
+    params = Params()
+    params.quality.reference_sources = ["man"]
+    params.quality.negatives_per_positive = 10.0  # take every negative allowed
+    examples = reference_examples(tmp_path / "raw", params)
+    negatives = {i for i, label in zip(examples.ids, examples.labels) if not label}
+    part = set(np.array(ids)[in_negatives_part(ids, params.quality.negatives_share, params.quality.seed)])
+    pool_ids = set(ids[100:])
+    assert negatives == part & pool_ids and 30 < len(negatives) < 90
+    parts = dict(zip(ids, pool_parts(ids, params.quality.negatives_share, params.quality.dev_share,
+                                     params.quality.seed)))
+    measured = set(read_pool(tmp_path / "raw", params)["id"])
+    dev = set(read_pool(tmp_path / "raw", params, part=DEV)["id"])
+    # Neither the negatives' part nor the dev part is measured; the reference is in no part.
+    assert measured == {i for i in pool_ids if parts[i] == MEASURED} and not measured & (part | dev)
+    assert dev == {i for i in pool_ids if parts[i] == DEV} and len(dev) > 5 and len(measured) > 60
+
+
+def test_tier1_on_a_labelled_sample_meets_the_head_and_junk_targets(pool, tmp_path):
+    """GPT-3's recipe as `assay quality train` runs it: the reference set trains the head against
+    negatives from one part of the pool; the rest is measured. Targets: the head's ROC AUC >= 0.95
+    on every labelled document (not only the heuristics' survivors), >= 90% of junk dropped.
+    (Tier 1's recall of good prose misses its 80% target with the full chain: BENCHMARKS.md.)"""
+    from pydoc_data.topics import topics
+
+    from assay.ingest.demo import man_pages
+    from assay.ingest.plan import FileEntry
+    from assay.quality.pool import measure_tier1
+    from assay.quality.scorer import HeadScorer
+    from assay.quality.train import Examples, train_head
+
+    params = Params()
+    reference = [topics[name] for name in sorted(topics)]
+    for path in man_pages()[::40][:40]:
+        try:
+            reference.append(read_entry(FileEntry(str(path), "man", path.name, render="man"), 10_000_000).decode())
+        except OSError:
+            continue
+    ids = [f"{s}:{p}" for s, p in zip(pool["source"], pool["path"])]
+    negative = in_negatives_part(ids, params.quality.negatives_share, params.quality.seed)
+    negatives = [t for t, n in zip(pool["text"], negative) if n]
+    examples = Examples(reference + negatives, np.array([True] * len(reference) + [False] * len(negatives)),
+                        [f"row:{i}" for i in range(len(reference) + len(negatives))])
+    train_head(examples, params, tmp_path / "head", recipe="reference")
+    params.static.head = str(tmp_path / "head")
+    measured = {name: [v for v, n in zip(pool[name], negative) if not n] for name in ("text", "source", "path")}
+    measured["id"], measured["kind"] = [f"m{i}" for i in range(len(measured["text"]))], ["text"] * len(measured["text"])
+    result = measure_tier1(measured, params, None, HeadScorer(tmp_path / "head"))
+    assert result["heuristics"]["good"] >= 40 and result["heuristics"]["junk"] >= 60, result["heuristics"]
+    assert result["head"]["auc"] >= 0.95, result["head"]
+    assert result["heuristics"]["junk_dropped"] >= 0.9 and result["tier1"]["junk_dropped"] >= 0.9
+    # (static.threshold was chosen for the head trained on the whole demo; this smaller head ranks
+    # as well but is calibrated differently, so its keep rates at that threshold are not asserted.)
