@@ -17,7 +17,7 @@ export DO_NOT_TRACK := 1
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-verdicts clean
 
 install: $(STAMP)
 
@@ -53,6 +53,13 @@ bench: install
 	$(PYTHON) bench/attention.py
 	$(PYTHON) bench/grad_norms.py
 	$(PYTHON) bench/train.py
+
+# Verdicts and memory, not speed: tier 1 on the labelled pool, tier 3 on labelled
+# code (needs models/domain: run `make demo` first), dedup's memory at 1M documents.
+bench-verdicts: install
+	$(PYTHON) bench/tier1_pool.py
+	$(PYTHON) bench/labelled_code.py --model models/domain --calibrate --legacy
+	$(PYTHON) bench/dedup_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
