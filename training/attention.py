@@ -348,6 +348,17 @@ class _BlockTableAttention(torch.autograd.Function):
         return dq.mul_(ctx.scale), dk, dv, None, None, None, None
 
 
+def _check_arguments(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, block: int, topk: int
+) -> None:
+    if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ValueError(
+            f"q, k, v must share a (B, H, N, D) shape, got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if window < 1 or block < 1 or topk < 0:
+        raise ValueError("window and block must be >= 1 and topk >= 0")
+
+
 def dynamic_sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -358,12 +369,7 @@ def dynamic_sparse_attention(
     topk: int,
 ) -> torch.Tensor:
     """Causal sliding-window + top-k block attention; q, k, v are (B, H, N, D)."""
-    if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
-        raise ValueError(
-            f"q, k, v must share a (B, H, N, D) shape, got {q.shape}, {k.shape}, {v.shape}"
-        )
-    if window < 1 or block < 1 or topk < 0:
-        raise ValueError("window and block must be >= 1 and topk >= 0")
+    _check_arguments(q, k, v, window=window, block=block, topk=topk)
     dev, kind = q.device, q.device.type
     # Like SDPA, compute in the autocast dtype when autocast is on; the kernel itself runs
     # with autocast off, so it keeps the dtypes chosen here.
@@ -427,13 +433,7 @@ def decode_step(
     ``dynamic_sparse_attention(queries, k, v, ...)[:, :, -1:]`` up to float rounding,
     at the cost of ``window + topk * block`` keys rather than a sequence.
     """
-    if queries.dim() != 4 or queries.shape != k.shape or k.shape != v.shape:
-        raise ValueError(
-            f"queries, k, v must share a (B, H, n, D) shape, got "
-            f"{queries.shape}, {k.shape}, {v.shape}"
-        )
-    if window < 1 or block < 1 or topk < 0:
-        raise ValueError("window and block must be >= 1 and topk >= 0")
+    _check_arguments(queries, k, v, window=window, block=block, topk=topk)
     B, H, n, D = k.shape
     dev = k.device
     i = n - 1
