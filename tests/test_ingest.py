@@ -497,6 +497,16 @@ def test_clean_input_never_falls_back_to_python(tmp_path):
     assert counts["jsonl_lines_python"] == 0 and counts["jsonl_lines_arrow"] == 2000
 
 
+def test_the_manifest_summary_says_how_jsonl_lines_were_parsed():
+    from assay.ingest import summarize
+    from assay.staging import UnitResult
+
+    units = [UnitResult("a", counts={"documents": 5, "jsonl_lines_arrow": 4, "jsonl_lines_python": 1}),
+             UnitResult("b", counts={"documents": 3, "jsonl_lines_arrow": 3})]
+    assert summarize(units)["jsonl_lines"] == {"arrow": 7, "python": 1}
+    assert "jsonl_lines" not in summarize([UnitResult("c", counts={"documents": 2})])
+
+
 def test_an_unknown_jsonl_parser_is_a_clear_error():
     from assay.ingest.plan import IngestOptions
 
