@@ -249,9 +249,19 @@ def quality_of(roots, truth_pairs, truth_sims, set_hashes, set_offsets, planted=
     }
 
 
-def run_ours(texts, params):
+def lsh_clusters(sig, params):
+    """Our LSH over any (n, bands * rows) signature matrix: the same step for every signature scheme."""
     import numpy as np
 
+    from filters import minhash
+
+    valid = np.flatnonzero(minhash.has_shingles(sig))
+    pairs = [minhash.candidate_pairs_for_band(valid, minhash.band_buckets(sig[valid], b, params))
+             for b in range(params.bands)]
+    return minhash.clusters(len(sig), np.concatenate(pairs))
+
+
+def run_ours(texts, params):
     from filters import minhash
 
     t0 = time.process_time()
@@ -259,10 +269,7 @@ def run_ours(texts, params):
     t1 = time.process_time()
     sig = minhash.signatures_from_shingles(hashes, offsets, params)
     t2 = time.process_time()
-    valid = np.flatnonzero(minhash.has_shingles(sig))
-    pairs = [minhash.candidate_pairs_for_band(valid, minhash.band_buckets(sig[valid], b, params))
-             for b in range(params.bands)]
-    roots = minhash.clusters(len(texts), np.concatenate(pairs))
+    roots = lsh_clusters(sig, params)
     t3 = time.process_time()
     return {"shingle_s": t1 - t0, "sig_s": t2 - t1, "lsh_s": t3 - t2, "roots": roots, "sig": sig,
             "hashes": hashes, "offsets": offsets}
@@ -272,8 +279,6 @@ def run_ours_signatures(hashes, offsets, params, scheme: str):
     """Signatures of another scheme on the same shingles, then the same LSH."""
     import dataclasses
 
-    import numpy as np
-
     from filters import minhash
 
     params = dataclasses.replace(params, scheme=scheme)
@@ -281,10 +286,7 @@ def run_ours_signatures(hashes, offsets, params, scheme: str):
     sig = (minhash.one_permutation_signatures(hashes, offsets, params) if scheme == "one_permutation"
            else minhash.signatures_from_shingles(hashes, offsets, params))
     t1 = time.process_time()
-    valid = np.flatnonzero(minhash.has_shingles(sig))
-    pairs = [minhash.candidate_pairs_for_band(valid, minhash.band_buckets(sig[valid], b, params))
-             for b in range(params.bands)]
-    roots = minhash.clusters(len(sig), np.concatenate(pairs))
+    roots = lsh_clusters(sig, params)
     t2 = time.process_time()
     return {"sig_s": t1 - t0, "lsh_s": t2 - t1, "roots": roots, "sig": sig}
 
@@ -378,8 +380,6 @@ def run_rensa_on_our_shingles(hashes, offsets, params):
     import numpy as np
     import rensa
 
-    from filters import minhash
-
     num_perm = params.bands * params.rows
     t0 = time.process_time()
     matrix = rensa.RMinHash.digest_matrix_from_flat_token_hashes(hashes, offsets.astype(np.uint64), num_perm,
@@ -387,10 +387,7 @@ def run_rensa_on_our_shingles(hashes, offsets, params):
     t1 = time.process_time()
     sig = np.array(matrix.to_rows(), dtype=np.uint32).reshape(-1, num_perm)  # its only way out: lists
     t2 = time.process_time()
-    valid = np.flatnonzero(minhash.has_shingles(sig))
-    pairs = [minhash.candidate_pairs_for_band(valid, minhash.band_buckets(sig[valid], b, params))
-             for b in range(params.bands)]
-    roots = minhash.clusters(len(sig), np.concatenate(pairs))
+    roots = lsh_clusters(sig, params)
     t3 = time.process_time()
     return {"sig_s": t1 - t0, "export_s": t2 - t1, "lsh_s": t3 - t2, "roots": roots, "sig": sig}
 
