@@ -17,7 +17,7 @@ export DO_NOT_TRACK := 1
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test bench bench-verdicts clean
+.PHONY: install demo test test-slow test-parallel bench bench-verdicts clean
 
 install: $(STAMP)
 
@@ -32,17 +32,29 @@ $(STAMP): pyproject.toml
 demo: install
 	dvc repro
 	dvc push --quiet
-	assay stats data/dedup
+	assay stats data/curated
 	dvc metrics show
+	@echo "report: $(CURDIR)/reports/index.html"
 
 # pytest's own exit code stands: 5 ("no tests collected") means discovery broke,
 # and a suite that ran nothing must not pass.
 test: install
 	@export PREFECT_HOME=$$(mktemp -d); \
-	$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PYTHON) -m pytest -m "not slow and (not parallel or parallel_quick)" $(PYTEST_ARGS); rc=$$?; \
 	rm -rf "$$PREFECT_HOME"; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; fi; \
 	exit $$rc
+
+# End to end and heavy: the whole loop under `dvc repro` (and what reruns after a change),
+# tier 3 on the labelled code set, the planted-corruption proof, the Prefect UI, the report in Chromium.
+test-slow: install
+	@export PREFECT_HOME=$$(mktemp -d); \
+	$(PYTHON) -m pytest -m "slow and not parallel" $(PYTEST_ARGS); rc=$$?; \
+	rm -rf "$$PREFECT_HOME"; exit $$rc
+
+# Every parallel mode against one process, with real torchrun ranks on gloo (slower).
+test-parallel: install
+	$(PYTHON) -m pytest -m parallel $(PYTEST_ARGS)
 
 bench: install
 	$(PYTHON) bench/ingest.py
@@ -53,6 +65,8 @@ bench: install
 	$(PYTHON) bench/attention.py
 	$(PYTHON) bench/grad_norms.py
 	$(PYTHON) bench/train.py
+	$(PYTHON) bench/score.py
+	$(PYTHON) bench/parallel.py
 
 # Verdicts and memory, not speed: tier 1 on the labelled pool, tier 3 on labelled
 # code (needs models/domain: run `make demo` first), dedup's memory at 1M documents.
@@ -60,6 +74,7 @@ bench-verdicts: install
 	$(PYTHON) bench/tier1_pool.py
 	$(PYTHON) bench/labelled_code.py --model models/domain --calibrate --legacy
 	$(PYTHON) bench/dedup_memory.py
+	$(PYTHON) bench/planted.py --out $$(mktemp -d)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

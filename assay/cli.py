@@ -335,6 +335,17 @@ def train_command(
     device: Optional[str] = typer.Option(None, "--device", help="cuda, xpu, mps, cpu or cuda:N (default: train.device, auto = cuda > xpu > mps > cpu)."),
     profile: bool = typer.Option(False, "--profile", help="Write a torch.profiler trace of steps 3-5 to OUT/profile/trace.json."),
     json_output: bool = typer.Option(False, "--json", help="Print metrics.json's content."),
+    nproc: int = typer.Option(1, "--nproc", help="Ranks on this machine; above 1, torchrun launches them (one CPU thread each unless OMP_NUM_THREADS is set)."),
+    dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="DDP ranks (overrides train.parallel.dp_replicate)."),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP2 (ZeRO-3) ranks; -1 = what the other dimensions leave."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks (not implemented yet: refused)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (not implemented yet: refused)."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Context-parallel ranks (not implemented yet: refused)."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks (not implemented yet: refused)."),
+    zero1: Optional[bool] = typer.Option(None, "--zero1/--no-zero1", help="ZeRO-1: shard AdamW's state over the DDP ranks."),
+    nnodes: str = typer.Option("1", "--nnodes", help="Machines (or MIN:MAX for elastic membership); needs --rdzv-endpoint."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous, the same on every node."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun elastic restarts after a rank fails (resume from the last checkpoint)."),
 ) -> None:
     """Train the decoder LM (params.yaml: train) on an exact dataset version.
 
@@ -347,9 +358,14 @@ def train_command(
     from flows.train import train_flow
 
     _quiet_console_tracebacks()
+    layout = {k: v for k, v in {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp,
+                                "ep": ep, "zero1": zero1}.items() if v is not None}
+    if nproc > 1 and profile:
+        raise AssayError("--profile traces one process; run it without --nproc")
     metrics = train_flow(str(data), str(out), rev=rev, resume=resume, overwrite=overwrite,
                          allow_data_change=allow_data_change, steps=steps, device=device, profile=profile,
-                         params_file=_params_file())
+                         params_file=_params_file(), nproc=nproc, parallel=layout, nnodes=nnodes,
+                         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
     if json_output:
         report.as_json(metrics)
 
@@ -403,6 +419,313 @@ def why(
         raise typer.Exit(1)
 
 
+# --- versions: dataset versions, diffs, releases, and the model export ---
+def _print_json(obj) -> None:
+    import json
+
+    print(json.dumps(obj, indent=2, default=str))
+
+
+REPO_OPTION = typer.Option(Path("."), "--repo", help="The git + DVC repository (default: the current directory).")
+
+
+@app.command("versions")
+def versions_command(
+    repo: Path = REPO_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Dataset versions: each commit that changed a data/ output, newest first, with documents per stage.
+
+    Counts come from each output's manifest at that commit, read through DVC
+    (cache, else the default remote); nothing is checked out.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from assay.history import list_versions
+
+    found = list_versions(repo)
+    if json_output:
+        _print_json([v.as_dict() for v in found])
+        return
+    if not found:
+        print("no dataset versions yet: no commit changed a data/ output in dvc.lock or a .dvc file")
+        return
+    paths = list(dict.fromkeys(o["path"] for v in found for o in v.outputs))
+    table = Table(title=f"dataset versions in {repo}")
+    for name in ("commit", "date (UTC)", "tags", "message"):
+        table.add_column(name)
+    for path in paths:
+        table.add_column(path.removeprefix("data/"), justify="right")
+    errors = []
+    for version in found:
+        by_path = {o["path"]: o for o in version.outputs}
+        cells = []
+        for path in paths:
+            out = by_path.get(path)
+            if out is None:
+                cells.append("")
+                continue
+            count = "?" if out["documents"] is None else f"{out['documents']:,}"
+            cells.append(f"[bold]{count}[/]" if path in version.changed else count)
+            if out.get("error"):
+                errors.append(out["error"])
+        table.add_row(version.commit[:8], version.date[:16].replace("T", " "), ", ".join(version.tags),
+                      escape(version.subject[:50]), *cells)
+    console = Console()
+    console.print(table)
+    console.print("bold: changed at that commit", style="dim")
+    for error in dict.fromkeys(errors):
+        console.print(f"?: {error}", style="yellow")
+
+
+@app.command("diff")
+def diff_command(
+    rev_a: str = typer.Argument(..., metavar="REV_A", help="The older version (commit, tag, branch)."),
+    rev_b: str = typer.Argument(..., metavar="REV_B", help="The newer version."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="Stage name or data path (default: the last data output of the pipeline)."),
+    limit: int = typer.Option(20, "--limit", help="Documents listed (0: all); the counts by reason are always complete."),
+    repo: Path = REPO_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Documents added to and removed from a stage's dataset between two versions, with the reasons.
+
+    A removed document's reason is the drop recorded in REV_B's decisions (by
+    any stage); an added one's is why REV_A did not have it. Read through DVC
+    at both revs; nothing is checked out.
+    """
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from assay.history import diff_versions
+
+    result = diff_versions(repo, rev_a, rev_b, stage=stage, limit=limit)
+    if json_output:
+        _print_json(result)
+        return
+    console = Console()
+    console.print(f"{result['path']} (stage {result['stage']}): {result['documents_a']:,} documents at {rev_a} "
+                  f"({result['commit_a'][:8]}) → {result['documents_b']:,} at {rev_b} ({result['commit_b'][:8]})")
+    summary = Table(title=f"{result['removed']:,} removed, {result['added']:,} added",
+                    caption=f"an added document's reason is why {rev_a} did not have it")
+    for name in ("change", "reason", "documents"):
+        summary.add_column(name, justify="right" if name == "documents" else "left")
+    for change in ("removed", "added"):
+        for reason, n in result[f"{change}_by_reason"].items():
+            summary.add_row(change, reason, f"{n:,}")
+    console.print(summary)
+    if result["rows"]:
+        rows = Table()
+        for name in ("change", "id", "reason", "dropped by", "detail"):
+            rows.add_column(name, overflow="fold" if name == "id" else "ellipsis")  # ids whole, for `assay why`
+        for row in result["rows"]:
+            rows.add_row(row["change"], escape(row["id"]), escape(row["reason"]), row["dropped_by"] or "",
+                         escape((row["detail"] or "")[:60]))
+        console.print(rows)
+    if result["rows_left_out"]:
+        console.print(f"… {result['rows_left_out']:,} more (--limit 0 lists all, --json for machines)", style="dim")
+
+
+@app.command("release")
+def release_command(
+    name: str = typer.Argument(..., metavar="NAME", help="The git tag to create, e.g. v1."),
+    message: Optional[str] = typer.Option(None, "--message", "-m", help="The tag's message."),
+    repo: Path = REPO_OPTION,
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Release the committed version: `dvc push` to the default remote, then an annotated git tag NAME.
+
+    Refused when tracked files have uncommitted changes, `dvc status` is not
+    clean, the tag exists, or no default DVC remote is configured.
+    """
+    from assay.history import release
+
+    result = release(repo, name, message)
+    if json_output:
+        _print_json(result)
+        return
+    print(f"tagged {name} at {result['commit'][:8]}; pushed {result['pushed']} file(s) to DVC remote "
+          f"{result['remote']} ({result['url']})")
+    print(f"share it: git push origin {name}; train on it: assay train --data {{DIR}} --rev {name}")
+
+
+@app.command("export")
+def export_command(
+    run: Path = typer.Argument(..., metavar="RUN", help="A training run directory (for example runs/round-1)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the Hugging Face model."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty OUT."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Write a dense run's latest checkpoint as a Hugging Face LlamaForCausalLM with its tokenizer.
+
+    Loads with AutoModelForCausalLM / AutoTokenizer.from_pretrained(OUT). The
+    model card and config name the dataset version the run trained on.
+    Sparse-attention and MoE runs are refused: no transformers class computes them.
+    """
+    from training.export import export_run
+
+    result = export_run(run, out, overwrite=overwrite)
+    if json_output:
+        _print_json(result)
+        return
+    print(f"exported {result['run']} step {result['step']} ({result['parameters']:,} parameters) to {result['out']}")
+    print(f"load: AutoModelForCausalLM.from_pretrained({str(result['out'])!r})")
+
+
+# --- dynamic (tier 2) ---
+@run_app.command("dynamic")
+def run_dynamic(
+    input_dir: Path = typer.Option(..., "--in", help="Input dataset (for example data/dedup)."),
+    scores: Path = typer.Option(..., "--scores", help="The scoring pass's output (`assay score`, e.g. runs/round-0/scores)."),
+    run: Path = typer.Option(..., "--run", help="The training run whose telemetry is read (e.g. runs/round-0)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory (e.g. data/curated)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Tier 2: drop documents by their training signals (params.yaml: dynamic).
+
+    The primary signal is the alignment of a document's gradient with a clean
+    reference set's; then loss (both ends) and gradient-norm outliers within
+    kind x lang x length strata, non-finite values, documents that caused
+    skipped steps or stood out on repeated draws, and RHO-LOSS's reducible
+    loss when the scores have a reference model's loss. Every drop is recorded
+    as dynamic:<signal> with its value and threshold.
+    """
+    from assay import report
+    from flows.dynamic import run_dynamic as run_flow
+
+    _quiet_console_tracebacks()
+    manifest = run_flow(str(input_dir), str(scores), str(run), str(out), overwrite=overwrite,
+                        params_file=_params_file())
+    report.as_json(manifest) if json_output else report.stage_summary(manifest)
+
+
+# --- report: the offline HTML page ---
+@app.command("report")
+def report_command(
+    out: Path = typer.Option(Path("reports"), "--out", "-o", help="Directory for index.html and why/*.txt."),
+    raw: Path = typer.Option(Path("data/raw"), "--raw", help="Ingest's output."),
+    static: Path = typer.Option(Path("data/static"), "--static", help="Tier 1's output."),
+    domain: Path = typer.Option(Path("data/domain"), "--domain", help="Tier 3's output."),
+    dedup: Path = typer.Option(Path("data/dedup"), "--dedup", help="Dedup's output."),
+    curated: Path = typer.Option(Path("data/curated"), "--curated", help="Tier 2's output."),
+    round0: Path = typer.Option(Path("runs/round-0"), "--round0", help="Round 0's run (history, telemetry, scores/)."),
+    round1: Path = typer.Option(Path("runs/round-1"), "--round1", help="Round 1's run."),
+    models: Path = typer.Option(Path("models"), "--models", help="Models directory (models/domain)."),
+    labelled: Path = typer.Option(Path("bench/labelled_code.json"), "--labelled", help="Tier 3's labelled-set measurement (JSON)."),
+    repo: Path = typer.Option(Path("."), "--repo", help="The git + DVC repository whose versions are the lineage."),
+    examples: int = typer.Option(3, "--examples", help="Example documents per drop reason (0: none)."),
+    measure_labelled: bool = typer.Option(False, "--measure-labelled", help="First measure tier 3 on the labelled set with models/domain and write --labelled (1-2 min of CPU on 2 cores)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the report's summary as JSON."),
+) -> None:
+    """One static HTML page that works offline: kept and dropped per tier and reason, score histograms
+    with thresholds, the effective-code ratio, duplicate clusters, both rounds' loss curves, the version
+    lineage, and example drops linked to their `assay why` story.
+
+    Every missing input makes its section say so and how to produce it.
+    """
+    from assay import report
+    from flows.report import report_flow
+
+    _quiet_console_tracebacks()
+    summary = report_flow(str(out), str(raw), str(static), str(domain), str(dedup), str(curated), str(round0),
+                          str(round1), str(models), str(labelled), str(repo), examples, measure_labelled,
+                          _params_file())
+    if json_output:
+        report.as_json(summary)
+
+
+# --- ui: the Prefect server and UI, and the deployments it runs ---
+@app.command("ui")
+def ui_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (the UI has no login: keep it local)."),
+    port: int = typer.Option(4200, "--port", help="Port of the UI and its API."),
+) -> None:
+    """Start a local Prefect server with its UI and keep it running until Ctrl-C.
+
+    Prints the address and the `export PREFECT_API_URL=...` line: with it, every
+    assay command records its runs there and skips starting a temporary server.
+    """
+    import time
+
+    from assay.prefect_server import interrupt_on_termination, start_server
+
+    interrupt_on_termination()
+    started = time.monotonic()
+    print(f"starting the Prefect server on {host}:{port} ...", file=sys.stderr, flush=True)
+    server = start_server(host, port)
+    print(f"Prefect UI: {server.address}  (ready in {time.monotonic() - started:.1f} s; server log {server.log})\n"
+          f"In other terminals, to use it:\n  export PREFECT_API_URL={server.url}\n"
+          f"then `assay serve` in the repository to run stages and the pipeline from the UI. Ctrl-C stops.",
+          flush=True)
+    try:
+        while server.process.poll() is None:
+            time.sleep(0.5)
+        raise AssayError(f"the Prefect server stopped by itself (code {server.process.returncode}); see {server.log}")
+    except KeyboardInterrupt:
+        print("stopping the Prefect server ...", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    print("stopped", file=sys.stderr)
+
+
+@app.command("serve")
+def serve_command(
+    pipeline_only: bool = typer.Option(False, "--pipeline-only", help="Serve only the end-to-end pipeline flow."),
+    name: str = typer.Option("assay", "--name", help="Deployment name (the UI shows FLOW/NAME)."),
+    limit: int = typer.Option(1, "--limit", help="Runs at a time; more queue (stages share outputs and DVC locks the repository). 0: no limit."),
+) -> None:
+    """Serve deployments of every stage flow and of the pipeline flow to the server at PREFECT_API_URL.
+
+    Press Run in the UI (or POST /api/deployments/ID/create_flow_run) and the run
+    executes here, in this repository. The `pipeline` deployment runs `dvc repro`
+    stage by stage, so dvc.lock records what it produced. Needs `assay ui` running.
+    """
+    from flows.serve import serve
+
+    _quiet_console_tracebacks()
+    serve(pipeline_only=pipeline_only, name=name, limit=limit or None, params_file=_params_file())
+
+
+# --- score (tier 2's scoring pass) ---
+@app.command("score")
+def score_command(
+    run: Path = typer.Option(..., "--run", help="Run directory of the checkpoint(s) and tokenizer (e.g. runs/round-0)."),
+    data: Path = typer.Option(..., "--data", help="Dataset whose every document is scored (e.g. data/dedup)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory: part-*.parquet (SCORE_SCHEMA), reference.txt, manifest.json."),
+    rev: Optional[str] = typer.Option(None, "--rev", help="Git rev whose committed version of --data to read through DVC (default: the workspace)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace scores of other inputs or params in --out (a killed run of the same inputs is resumed either way)."),
+    checkpoint: Optional[list[str]] = typer.Option(None, "--checkpoint", metavar="STEP", help="Checkpoint step to score, or 'last'; repeat for several (default: score.checkpoints)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda, xpu, mps, cpu or cuda:N (default: score.device)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the manifest."),
+) -> None:
+    """Score every document of a dataset with a run's checkpoint (params.yaml: score).
+
+    One forward and one backward per batch, no optimizer step, rows exactly as in
+    training (each document's first score.max_rows rows): per document its loss, the
+    norm of its gradient and that gradient's cosine with the gradient of the clean
+    reference set (score.reference; ids in OUT/reference.txt, never judged), per
+    stratum (score.strata). Resumable: a rerun redoes only missing parts. Read the
+    result with training.score.read_scores or `assay run dynamic --scores OUT`.
+    """
+    from assay import report
+    from flows.score import score_flow
+
+    steps = None
+    if checkpoint:
+        try:
+            steps = [c if c == "last" else int(c) for c in checkpoint]
+        except ValueError:
+            raise AssayError(f"--checkpoint takes a step number or 'last', not {checkpoint}") from None
+    _quiet_console_tracebacks()
+    manifest = score_flow(str(run), str(data), str(out), rev=rev, overwrite=overwrite, checkpoints=steps,
+                          device=device, params_file=_params_file())
+    if json_output:
+        report.as_json(manifest)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     # Prefect's temporary server needs more than its default 20 s to start on
@@ -423,6 +746,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug: one line, unless the user asked for more
         if debug:
             raise
+        if str(exc).startswith("Failed to reach API"):  # PREFECT_API_URL names a server that is down
+            print(f"assay: error: no Prefect server answers at PREFECT_API_URL={os.environ.get('PREFECT_API_URL')}: "
+                  "start one with `assay ui`, or unset PREFECT_API_URL to use a temporary one", file=sys.stderr)
+            sys.exit(1)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"assay: internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)

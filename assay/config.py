@@ -145,11 +145,29 @@ class FineWebQualityParams:
 
 
 @dataclass
+class ReflowParams:
+    """Join hard-wrapped paragraphs before C4's and FineWeb's line rules (ours, not the papers'; see
+    `filters.text_units.reflow_hard_wrapped`). Those rules were designed for web extractions, where
+    a line is a paragraph; a README wrapped at 72-80 columns ends most lines mid-sentence."""
+
+    enabled: bool = True
+    #: A paragraph counts as wrapped when its widest line is within these widths (characters).
+    min_width: int = 50
+    max_width: int = 100
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_width <= self.max_width:
+            raise AssayError(f"params: static.heuristics.reflow needs 1 <= min_width <= max_width "
+                             f"({self.min_width}, {self.max_width})")
+
+
+@dataclass
 class HeuristicsParams:
     #: How the Gopher rules split words: "paper" (whitespace-separated, as Rae
     #: et al. 2021 count them) or "datatrove" (spaCy English tokens, to compare
     #: with datatrove). See ARCHITECTURE.md, tier 1.
     words: str = "paper"
+    reflow: ReflowParams = field(default_factory=ReflowParams)
     gopher_quality: GopherQualityParams = field(default_factory=GopherQualityParams)
     gopher_repetition: GopherRepetitionParams = field(default_factory=GopherRepetitionParams)
     c4: C4Params = field(default_factory=C4Params)
@@ -193,16 +211,21 @@ class StaticParams:
     #: Which heuristic filters judge the text of a source (source -> filter
     #: names, a non-empty subset of the enabled ones); sources not listed get
     #: every enabled filter. The head judges every text document regardless.
-    source_rules: dict[str, list[str]] = field(default_factory=dict)
+    #: A key may be a shell pattern (`doc-*`). Default: plain-text file sources
+    #: (the demo pool's and the fresh set's) get the Gopher rules only (params.yaml).
+    source_rules: dict[str, list[str]] = field(default_factory=lambda: {
+        pattern: ["gopher_repetition", "gopher_quality"]
+        for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*")
+    })
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
     head: str = "models/quality"
     #: Instead of the head: an AutoModelForSequenceClassification directory or name.
     model: str | None = None
     score: ScoreParams = field(default_factory=ScoreParams)
-    #: Keep a text document when quality >= threshold (chosen for the default
-    #: head on the demo pool's dev part, see params.yaml).
-    threshold: float = 0.44
+    #: Keep a text document when quality >= threshold (a calibrated probability; chosen
+    #: on the demo pool's dev part, see params.yaml).
+    threshold: float = 0.65
 
     def __post_init__(self) -> None:
         known = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality")  # filters.heuristics.FILTER_NAMES
@@ -247,6 +270,8 @@ class QualityParams:
     l2: float = 1e-3
     #: L2 penalty of the logistic head on words (chosen on the demo pool's dev part).
     words_l2: float = 0.05
+    #: "platt": calibrate the head's score on the pool's dev part (assay.quality.calibration); None: raw.
+    calibration: str | None = "platt"
     #: --finetune: epochs and learning rate for the whole encoder.
     finetune_epochs: int = 2
     finetune_lr: float = 2e-5
@@ -257,6 +282,8 @@ class QualityParams:
                              f"{FEATURES_WORDS!r} or {FEATURES_EMBEDDING!r}")
         if self.hash_dim < 1:
             raise AssayError(f"params: quality.hash_dim = {self.hash_dim} should be positive")
+        if self.calibration not in (None, "platt"):
+            raise AssayError(f"params: quality.calibration = {self.calibration!r} should be 'platt' or null")
 
 
 #: Bundler and compiler output fingerprints (see filters.code_rules, `code_rules:bundle`).
@@ -267,7 +294,39 @@ BUNDLE_MARKERS = (
     r"\bparcelRequire\b",                                   # Parcel's runtime
     r"Object\.defineProperty\(exports,\s*.__esModule",  # CommonJS interop (tsc, Babel, rollup)
     r"\b_interopRequireDefault\(",                          # Babel's helper
+    # Issue 10's second pass, checked on the labelled set's calibration split (fire on none of its
+    # hand-written files): Babel's runtime and inlined helpers, rollup's CommonJS interop helpers,
+    # tsc's inlined and tslib helpers, esbuild's module helpers, and rollup's renaming of clashing
+    # top-level names when it merges modules (`utils$1`).
+    r"""["']@babel/runtime(?:-corejs\d)?/helpers/""",
+    r"\bfunction _(?:classCallCheck|defineProperty|createClass|objectSpread2|inherits|typeof|slicedToArray|"
+    r"toConsumableArray|asyncToGenerator)\(",
+    r"\bfunction _interop(?:Default(?:Legacy|Compat)?|Namespace(?:Default)?)\s*\(",
+    r"\(this && this\.__(?:extends|assign|awaiter|generator|rest|decorate|createBinding|setModuleDefault|importStar|"
+    r"importDefault|spreadArray|values|read|exportStar)\)",
+    r"""(?:\bfrom\s*|\brequire\(\s*)["']tslib["']""",
+    r"\bvar __defProp = Object\.defineProperty|\b__toCommonJS\(",
+    r"(?m)\b(?:var|let|const|function\*?|class|type|interface)\s+[A-Za-z_][\w$]*\$\d+\b",
 )
+
+#: Lines only a code generator writes, anywhere in a file (see filters.code_rules,
+#: `code_rules:generator_signature`; ours, after linguist's body fingerprints).
+GENERATOR_SIGNATURES = (
+    r"(?m)^DESCRIPTOR: _descriptor\.FileDescriptor\s*$",                    # protoc --pyi_out (no banner)
+    r"_descriptor_pool\.Default\(\)\.AddSerializedFile\(|(?m)^DESCRIPTOR = _descriptor\.FileDescriptor\(",  # protoc
+    r"(?m)^def serializedATN\(\):|(?m)^\s+atn = ATNDeserializer\(\)\.deserialize\(serializedATN\(\)\)",  # ANTLR 4
+)
+
+#: A compiler's declaration output (see filters.code_rules, `code_rules:declaration_emit`; ours):
+#: tsc's per-module emit (`export declare ...`) or a bundled declaration file (rollup-plugin-dts,
+#: tsup: `declare ...` statements and one closing `export { ... };`) ...
+DECLARATION_MARKERS = (
+    r"(?m)^export declare (?:function|const|let|var|class|abstract class|enum|namespace|type) ",
+    r"(?ms)^declare (?:const|function|class|type|interface|namespace|enum|abstract class)\b.*"
+    r"^export \{[^}]*\w[^}]*\};?\s*\z",
+)
+#: ... unless a top-level export lacks `declare`, which tsc never emits for a value (hand-written).
+DECLARATION_UNLESS = r"(?m)^export (?:default )?(?:async )?(?:function|const|let|var|class|abstract class|enum|namespace)\b"
 
 
 @dataclass
@@ -301,12 +360,20 @@ class CodeRuleParams:
     #: of literals only; calibrated on the labelled set's calibration split
     #: (`bench/labelled_code.py --calibrate`: keeps 98% of its hand-written
     #: files). None turns the rule off.
-    max_literal_line_fraction: float | None = 0.35
+    max_literal_line_fraction: float | None = 0.38
     literal_min_lines: int = 10
     #: Ours: fingerprints (RE2) that bundlers and compilers write into their
     #: output, searched in `bundle_languages`; empty turns the rule off.
     bundle_markers: list[str] = field(default_factory=lambda: list(BUNDLE_MARKERS))
     bundle_languages: list[str] = field(default_factory=lambda: ["javascript", "typescript"])
+    #: Ours: lines only a code generator writes (protoc's `.pyi`, ANTLR, PLY), searched
+    #: anywhere in a file (not in data languages); empty turns the rule off.
+    generator_signatures: list[str] = field(default_factory=lambda: list(GENERATOR_SIGNATURES))
+    #: Ours: a compiler's declaration output in `declaration_languages`: one of the
+    #: markers and no match of `declaration_unless`; empty markers turn the rule off.
+    declaration_markers: list[str] = field(default_factory=lambda: list(DECLARATION_MARKERS))
+    declaration_unless: str | None = DECLARATION_UNLESS
+    declaration_languages: list[str] = field(default_factory=lambda: ["typescript"])
     #: Encoded data: a single match longer than this, or matches covering more than the fraction, drop the file.
     encoded_max_match_chars: int = 1024
     encoded_max_fraction: float = 0.5
@@ -468,6 +535,24 @@ class TrainTelemetryParams:
 
 
 @dataclass
+class TrainParallelParams:
+    """How many ranks each parallel dimension spans (training.parallel.dims.ParallelDims).
+
+    Their product is the world size (`assay train --nproc N`); dp_shard -1 takes what the
+    others leave. A single process ignores this section.
+    """
+
+    dp_replicate: int = 1  # DDP
+    dp_shard: int = -1  # FSDP2 (ZeRO-3)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    #: ZeRO-1 (ZeroRedundancyOptimizer) over the DDP ranks; only with dp_replicate > 1 and dp_shard 1.
+    zero1: bool = False
+
+
+@dataclass
 class TrainParams:
     """`assay train` (DVC stage train): a decoder LM on an exact dataset version."""
 
@@ -494,6 +579,7 @@ class TrainParams:
     seed: int = 0
     device: str = "auto"
     telemetry: TrainTelemetryParams = field(default_factory=TrainTelemetryParams)
+    parallel: TrainParallelParams = field(default_factory=TrainParallelParams)
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp8"):
@@ -513,6 +599,102 @@ class FlowParams:
     address: str | None = None
 
 
+# --- dynamic (tier 2) ---
+@dataclass
+class DynamicParams:
+    """`assay run dynamic`: tier 2, from the scoring pass and round 0's telemetry (filters/dynamic.py).
+
+    Outliers are modified z-scores within strata (kind x lang x length band);
+    3.5 is Iglewicz & Hoaglin's (1993) published cut-off. Any cut-off may be
+    null, which switches that signal off.
+    """
+
+    #: Scored checkpoint steps whose alignment is averaged; null = all of them.
+    checkpoints: list[int] | None = None
+    #: Token counts that split a kind/lang stratum into length bands.
+    length_bands: list[int] = field(default_factory=lambda: [64, 256, 2048])
+    #: A stratum with fewer judged documents falls back to kind/band, kind, then all.
+    min_stratum_docs: int = 20
+    #: Drop when the mean cosine with the clean reference gradient is below this (off by default:
+    #: kinds differ in their typical cosine, see alignment_low_z).
+    alignment_threshold: float | None = None
+    #: Drop when that cosine's z within its stratum is below minus this ...
+    alignment_low_z: float | None = 1.5
+    #: ... or above this (a document not of its stratum's kind).
+    alignment_high_z: float | None = 3.5
+    loss_high_z: float | None = 3.5
+    loss_low_z: float | None = 3.5
+    grad_norm_high_z: float | None = 3.5
+    #: RHO-LOSS (Mindermann et al. 2022): loss - reference-model loss, low end; used when ref_loss is scored.
+    reducible_low_z: float | None = 3.5
+    #: A document in a skipped step is dropped when its within-step z is above this.
+    skipped_step_z: float | None = 6.0
+    #: A draw is anomalous when the document's within-step z is above this ...
+    anomaly_z: float = 6.0
+    #: ... and a document anomalous on this many draws is dropped.
+    repeat_draws: int | None = 2
+    #: Drop when 1 - last/first draw's loss is below this (null: off) ...
+    min_loss_drop: float | None = None
+    #: ... measured only for draws at least this many steps apart.
+    min_drop_gap: int = 50
+
+    def __post_init__(self) -> None:
+        if self.min_stratum_docs < 2:
+            raise AssayError(f"dynamic.min_stratum_docs must be at least 2, not {self.min_stratum_docs}")
+        if self.length_bands != sorted(self.length_bands) or any(b <= 0 for b in self.length_bands):
+            raise AssayError(f"dynamic.length_bands must be increasing positive token counts, not {self.length_bands}")
+        for name in ("loss_high_z", "loss_low_z", "grad_norm_high_z", "reducible_low_z", "alignment_low_z",
+                     "alignment_high_z", "skipped_step_z"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise AssayError(f"dynamic.{name} must be positive (a z-score distance) or null, not {value}")
+
+
+@dataclass
+class ScoringParams:
+    """`assay score` (DVC stage score): one forward and backward of round 0's checkpoint(s)
+    over every document: loss, gradient norm and gradient alignment with a clean reference set.
+    (Named ScoringParams because ScoreParams is static.score's model-output mapping.)"""
+
+    #: Checkpoint steps to score, or "last" (the run's latest checkpoint).
+    checkpoints: list[int | str] = field(default_factory=lambda: ["last"])
+    #: The clean reference set: source -> share of its documents (by a hash of the id) taken
+    #: into it. Its documents are scored but marked reference=True and never judged.
+    reference: dict[str, float] = field(
+        default_factory=lambda: {"pydoc-topics": 1.0, "man": 1.0, "python-stdlib": 0.3}
+    )
+    #: What a document's gradient is compared with: "all" (one reference gradient), "kind"
+    #: (text against text, code against code) or "kind_lang" (kind x language).
+    strata: str = "kind"
+    #: A stratum needs this many reference documents; smaller ones fall back to kind, then all.
+    min_stratum_docs: int = 20
+    #: Rows (of train.seq_len tokens) scored per document: its first rows; longer ones are capped.
+    max_rows: int = 4
+    #: Tokens per scoring batch (rows x padded length); documents are batched by length.
+    batch_tokens: int = 4096
+    #: Documents per output part (the unit a rerun redoes).
+    part_docs: int = 2000
+    #: A run directory whose latest checkpoint gives ref_loss (RHO-LOSS); it must share the
+    #: scored run's tokenizer. None: no reference model.
+    reference_model: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for c in self.checkpoints:
+            if not (c == "last" or (isinstance(c, int) and c >= 0)):
+                raise AssayError(f"score.checkpoints: {c!r} should be a step number or 'last'")
+        if not self.checkpoints:
+            raise AssayError("score.checkpoints is empty; list step numbers or 'last'")
+        if self.strata not in ("all", "kind", "kind_lang"):
+            raise AssayError(f"score.strata must be all, kind or kind_lang, not {self.strata!r}")
+        for source, share in self.reference.items():
+            if not 0.0 < share <= 1.0:
+                raise AssayError(f"score.reference.{source} = {share} should be a share in (0, 1]")
+        for name in ("min_stratum_docs", "max_rows", "batch_tokens", "part_docs"):
+            if getattr(self, name) < 1:
+                raise AssayError(f"score.{name} must be at least 1, not {getattr(self, name)}")
+
+
 @dataclass
 class Params:
     io: IOParams = field(default_factory=IOParams)
@@ -525,6 +707,8 @@ class Params:
     vectors: VectorParams = field(default_factory=VectorParams)
     train: TrainParams = field(default_factory=TrainParams)
     flow: FlowParams = field(default_factory=FlowParams)
+    dynamic: DynamicParams = field(default_factory=DynamicParams)
+    score: ScoringParams = field(default_factory=ScoringParams)
 
     def section(self, name: str) -> dict[str, Any]:
         return dataclasses.asdict(getattr(self, name))

@@ -132,3 +132,26 @@ def document_id(source: str, locator: str) -> str:
 
 def empty_documents() -> pa.Table:
     return DOCUMENT_SCHEMA.empty_table()
+
+
+# --- scores ------------------------------------------------------------------
+# Written by `assay score` (training.score), one row per document per scored checkpoint;
+# read back by the dynamic filter and the report. A document without text has no row.
+SCORE_SCHEMA = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),  # the checkpoint's step
+        pa.field("sample_id", pa.string(), nullable=False),  # the document id
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("lang", pa.string(), nullable=False),
+        pa.field("tokens", pa.int32(), nullable=False),  # target tokens scored (of its first rows: see capped)
+        pa.field("loss", pa.float32(), nullable=False),  # mean token loss over those tokens
+        pa.field("grad_norm", pa.float32(), nullable=False),  # ||gradient of that loss||, all trainable params
+        pa.field("grad_dot", pa.float32(), nullable=False),  # that gradient . its stratum's reference gradient
+        pa.field("alignment", pa.float32(), nullable=False),  # their cosine
+        pa.field("stratum", pa.string(), nullable=False),  # the reference stratum: "text", "code/python", "all"
+        pa.field("ref_loss", pa.float32()),  # loss under score.reference_model (RHO-LOSS); null when none
+        pa.field("reference", pa.bool_(), nullable=False),  # in the clean reference set: never judged
+        pa.field("rows", pa.int32(), nullable=False),  # rows scored (at most score.max_rows)
+        pa.field("capped", pa.bool_(), nullable=False),  # True when the document has more rows than that
+    ]
+)

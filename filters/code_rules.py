@@ -34,7 +34,31 @@ first rule it fails, in this order:
     `Object.defineProperty(exports, "__esModule", ...)` of tsc, Babel and
     rollup, Babel's `_interopRequireDefault`). Added for the bundles of the
     labelled set's calibration split that no other rule caught (d3-array's
-    and jQuery's `dist/` builds).
+    and jQuery's `dist/` builds). Issue 10's second pass added Babel's
+    runtime and inlined helpers, rollup's CommonJS interop helpers, tsc's
+    inlined (`(this && this.__extends)`) and tslib helpers, esbuild's module
+    helpers, and rollup's renaming of clashing top-level names when it merges
+    modules (`var utils$1`): each fires on none of the labelled set's
+    calibration hand-written files.
+`code_rules:generator_signature`
+    Ours, in the manner of linguist's body fingerprints (its
+    `compiled_coffeescript?` looks for the compiler's helpers, not a banner):
+    a line only a code generator writes, anywhere in the file
+    (`generator_signatures`; not in data languages). protoc's `--pyi_out`
+    writes no banner, but every stub it writes declares
+    `DESCRIPTOR: _descriptor.FileDescriptor`; protoc's `_pb2.py` body and
+    ANTLR 4's `serializedATN` identify those generators when their banner is
+    missing or below the header lines. (A PLY-table signature,
+    `^_lr_action_items = ` and the like, was dropped: PLY's own `yacc.py`
+    holds those lines in its table template.)
+`code_rules:declaration_emit`
+    Ours: a compiler's declaration output, in `declaration_languages`
+    (TypeScript): tsc's per-module emit (`export declare function ...`) or a
+    bundled declaration file (rollup-plugin-dts, tsup: `declare ...`
+    statements and one closing `export { ... };`), unless a top-level value
+    export lacks `declare` (`declaration_unless`): tsc never emits one, and
+    hand-written declarations (DefinitelyTyped forbids `export declare`)
+    mix them in.
 `code_rules:encoded_data`
     The Stack v2's "Encoded data filter": matches of base64
     `[a-zA-Z0-9+/\\n=]{64,}`, hexadecimal `(?:\\b(?:0x|\\\\x)?[0-9a-fA-F]{2}(?:,|\\b\\s*)){8,}`
@@ -217,6 +241,23 @@ def _literal_lines(flat: pa.Array, starts: np.ndarray) -> tuple[np.ndarray, np.n
     return np.add.reduceat(literal, starts), np.add.reduceat(nonblank, starts)
 
 
+def _alternation(patterns: list[str]) -> str:
+    """One RE2 expression matching any of `patterns`; each keeps its own inline flags."""
+    return "|".join(f"(?:{pattern})" for pattern in patterns)
+
+
+def _any_marker(text: pa.Array, lang_lower: pa.Array, markers: list[str], languages: list[str]) -> np.ndarray:
+    """Per row: in one of `languages`, and one of `markers` (RE2) matches somewhere in the text."""
+    out = np.zeros(len(text), dtype=bool)
+    if not markers or len(text) == 0:
+        return out
+    wanted = _bools(pc.is_in(lang_lower, value_set=pa.array([x.lower() for x in languages], pa.string())))
+    if wanted.any():
+        sub = np.flatnonzero(wanted)
+        out[sub] = _bools(pc.match_substring_regex(text.take(pa.array(sub, pa.int64())), _alternation(markers)))
+    return out
+
+
 def encoded_matches(text: str) -> tuple[int, float]:
     """(longest match, merged matched characters) of the encoded-data expressions in `text`."""
     spans = [m.span() for pattern in _ENCODED for m in pattern.finditer(text)]
@@ -252,6 +293,8 @@ class CodeFeatures:
     literal_line_fraction: np.ndarray
     nonblank_lines: np.ndarray
     bundle: np.ndarray  # 1.0 / 0.0
+    generator_signature: np.ndarray  # 1.0 / 0.0
+    declaration_emit: np.ndarray  # 1.0 / 0.0
     encoded_max_match: np.ndarray
     encoded_fraction: np.ndarray
     xml_declaration: np.ndarray  # 1.0 / 0.0
@@ -310,13 +353,13 @@ def code_features(batch: pa.RecordBatch, params: CodeRuleParams | None = None) -
             autogen = np.zeros(m, dtype=bool)
 
         source_map = _source_map_tail(text, p.source_map_tail_lines)
-        bundle = np.zeros(m, dtype=bool)
-        if p.bundle_markers:
-            js = _bools(pc.is_in(pc.utf8_lower(langs), value_set=pa.array(list(p.bundle_languages), pa.string())))
-            if js.any():
-                sub = np.flatnonzero(js)
-                found = pc.match_substring_regex(text.take(pa.array(sub, pa.int64())), "|".join(p.bundle_markers))
-                bundle[sub] = _bools(found)
+        lang_lower = pc.utf8_lower(langs)
+        bundle = _any_marker(text, lang_lower, p.bundle_markers, p.bundle_languages)
+        declaration = _any_marker(text, lang_lower, p.declaration_markers, p.declaration_languages)
+        if p.declaration_unless and declaration.any():
+            sub = np.flatnonzero(declaration)
+            unless = _bools(pc.match_substring_regex(text.take(pa.array(sub, pa.int64())), p.declaration_unless))
+            declaration[sub[unless]] = False
         literal, nonblank = _literal_lines(flat, starts)
         with np.errstate(divide="ignore", invalid="ignore"):
             literal_frac = np.where(nonblank > 0, literal / np.maximum(nonblank, 1), 0.0)
@@ -329,12 +372,16 @@ def code_features(batch: pa.RecordBatch, params: CodeRuleParams | None = None) -
             enc_frac = np.where(chars > 0, enc_cov / np.maximum(chars, 1), 0.0)
 
         xml = _bools(pc.match_substring(pc.utf8_slice_codeunits(text, 0, XML_HEAD_CHARS), XML_DECLARATION))
-        lang_lower = pc.utf8_lower(langs)
         data_lang = _bools(pc.is_in(lang_lower, value_set=pa.array([s.lower() for s in p.data_languages], pa.string())))
+        signature = np.zeros(m, dtype=bool)
+        if p.generator_signatures and (~data_lang).any():
+            sub = np.flatnonzero(~data_lang)
+            found = pc.match_substring_regex(text.take(pa.array(sub, pa.int64())), _alternation(p.generator_signatures))
+            signature[sub] = _bools(found)
         config_lang = _bools(pc.is_in(lang_lower, value_set=pa.array(list(CONFIG_LANGUAGES), pa.string())))
     else:
         lines = avg = max_line = alpha_frac = space_frac = enc_max = enc_frac = literal_frac = nonblank = np.zeros(0)
-        autogen = source_map = bundle = xml = data_lang = config_lang = np.zeros(0, dtype=bool)
+        autogen = source_map = bundle = xml = data_lang = config_lang = signature = declaration = np.zeros(0, dtype=bool)
 
     def spread(values, fill=np.nan) -> np.ndarray:
         out = np.full(n, fill, dtype=np.float64 if fill is not False else bool)
@@ -354,6 +401,8 @@ def code_features(batch: pa.RecordBatch, params: CodeRuleParams | None = None) -
         literal_line_fraction=spread(literal_frac),
         nonblank_lines=spread(nonblank),
         bundle=spread(bundle.astype(np.float64)),
+        generator_signature=spread(signature.astype(np.float64)),
+        declaration_emit=spread(declaration.astype(np.float64)),
         encoded_max_match=spread(enc_max),
         encoded_fraction=spread(enc_frac),
         xml_declaration=spread(xml.astype(np.float64)),
@@ -379,6 +428,8 @@ def rule_failures(f: CodeFeatures, params: CodeRuleParams | None = None) -> list
             ("autogenerated", code & (f.autogenerated == 1.0)),
             ("source_map", code & (f.source_map == 1.0)),
             ("bundle", code & (f.bundle == 1.0)),
+            ("generator_signature", code & (f.generator_signature == 1.0)),
+            ("declaration_emit", code & (f.declaration_emit == 1.0)),
             ("encoded_data", encoded),
             ("literal_lines", literal),
             ("minified", minified),
@@ -429,6 +480,8 @@ class CodeRulesFilter:
             "source_map": f.source_map,
             "literal_line_fraction": f.literal_line_fraction,
             "bundle": f.bundle,
+            "generator_signature": f.generator_signature,
+            "declaration_emit": f.declaration_emit,
             "encoded_max_match": f.encoded_max_match,
             "encoded_fraction": f.encoded_fraction,
         }

@@ -13,6 +13,12 @@ a line with trailing spaces does not "end in punctuation"):
 - `list_ratio`: newlines per word (spaCy English words) at most `new_line_ratio`.
 
 Checked in that order; the first failure is the reason.
+
+One difference from FineWeb and datatrove, on by default
+(`static.heuristics.reflow`): the lines are those of the text with its
+hard-wrapped paragraphs joined (`filters.text_units.reflow_hard_wrapped`),
+since these rules take a line to be a web extraction's paragraph; a line
+of a README wrapped at 72-80 columns usually ends mid-sentence.
 """
 
 from __future__ import annotations
@@ -41,12 +47,16 @@ _ENDS_IN_TERMINAL = f"[{regex_escape_class(TERMINAL_PUNCTUATION)}]$"
 class FineWebQualityFilter:
     name = "fineweb_quality"
 
-    def __init__(self, params: FineWebQualityParams | None = None) -> None:
+    def __init__(self, params: FineWebQualityParams | None = None, reflow: tuple[int, int] | None = None) -> None:
         self.params = params or FineWebQualityParams()
+        #: (min_width, max_width): judge lines after `reflow_hard_wrapped` (ours); None: as FineWeb.
+        self.reflow = reflow
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
+        if self.reflow is not None:
+            units = units.reflowed(*self.reflow)
         all_lines = units.newline_lines
         lines = all_lines.take(bool_array(pc.match_substring_regex(all_lines.values, f"[^{WS_CLASS}]")))
         n_lines = lines.counts

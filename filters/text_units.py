@@ -765,12 +765,105 @@ def split_pieces(texts: pa.Array, pattern: str, regex: bool = True) -> Pieces:
     return Pieces(pc.list_flatten(lists), np.concatenate([[0], np.cumsum(counts)]))
 
 
+#: A line that starts a list item (CommonMark's bullet and ordered markers,
+#: and the bullets of plain-text READMEs): never the continuation of the line before.
+_LIST_ITEM_RE = r"^[ \t]*(?:[-*+\x{2022}\x{2023}\x{25e6}o]|\(?[0-9]{1,3}[.)]|\(?[a-zA-Z][.)])[ \t]"
+#: A heading underline (setext, reStructuredText): its own line.
+_UNDERLINE_RE = r"^[ \t]*(?:=+|-+|~+|\^+|\*+|#+|_+)[ \t\r]*$"
+
+
+#: A line that ends a sentence (a terminal, then perhaps closing quotes or brackets) was not cut mid-sentence.
+_SENTENCE_END_RE = "[" + "".join(f"\\x{{{ord(c):x}}}" for c in sorted(TERMINAL_PUNCTUATION)) + r"][\"')\]\x{2019}\x{201d}]*$"
+
+
+def reflow_hard_wrapped(texts: pa.Array, min_width: int, max_width: int) -> pa.Array:
+    """`texts` with the soft line breaks of hard-wrapped paragraphs replaced by spaces.
+
+    Text wrapped at a fixed width (READMEs, NEWS files, e-mail, package
+    descriptions: 72-80 columns) breaks lines mid-sentence; web-page
+    extractions, for which C4's and FineWeb's line rules were designed, put
+    one paragraph on one line. A break is taken to be soft exactly where a
+    greedy line-filler (`fmt`, `textwrap`, an editor's auto-wrap) would have
+    made it: between two non-blank lines of a paragraph (a run of non-blank
+    lines) whose widest line W is a wrap width (`min_width` <= W <=
+    `max_width`), when the first line has at least two words, does not end
+    a sentence (a line that ends one was not cut mid-sentence), and the next
+    line's first word would not have fitted after it (width + 1 + word > W),
+    unless the next line starts a list item or is a heading underline.
+
+    Lines far shorter than their paragraph's width (menus, headings, lists of
+    short items, key: value headers), one-word lines (paths, hashes) and
+    paragraphs with lines wider than `max_width` (web text, where a line is
+    already a paragraph) are left as they are. Only "\\n" (with a "\\r"
+    before it) is replaced, byte for byte, so offsets do not move.
+    """
+    texts = _as_array(texts)
+    if texts.offset:
+        texts = pc.take(texts, pa.array(np.arange(len(texts)), pa.int64()))
+    lines = split_pieces(texts, "\n", regex=False)
+    values = lines.values
+    if len(values) < 2:
+        return texts
+    width = np.asarray(pc.utf8_length(pc.utf8_rtrim_whitespace(values)), dtype=np.int64)
+    content = pc.utf8_trim_whitespace(values)
+    blank = np.asarray(pc.utf8_length(content), dtype=np.int64) == 0
+    first_word = np.asarray(pc.utf8_length(pc.struct_field(pc.extract_regex(values, r"^\s*(?P<w>\S*)"), [0])),
+                            dtype=np.int64)
+    two_words = bool_array(pc.match_substring_regex(content, r"\S\s+\S"))
+    ends_sentence = bool_array(pc.match_substring_regex(content, _SENTENCE_END_RE))
+    starts_block = bool_array(pc.match_substring_regex(values, _LIST_ITEM_RE)) | bool_array(
+        pc.match_substring_regex(values, _UNDERLINE_RE))
+    row = lines.row
+    first_of_row = np.zeros(len(values), dtype=bool)
+    first_of_row[lines.offsets[:-1][lines.counts > 0]] = True
+    # Paragraphs: runs of non-blank lines within a row (each blank line is a run of its own).
+    new_run = first_of_row | blank
+    new_run[1:] |= blank[:-1]
+    run = np.cumsum(new_run) - 1
+    run_starts = np.flatnonzero(new_run)
+    run_width = np.maximum.reduceat(width, run_starts)[run]
+    nxt = np.arange(1, len(values))
+    here = nxt - 1
+    join = (
+        (run[here] == run[nxt]) & ~blank[here] & ~blank[nxt]
+        & (run_width[here] >= min_width) & (run_width[here] <= max_width)
+        & two_words[here] & ~ends_sentence[here] & ~starts_block[nxt]
+        & (width[here] + 1 + first_word[nxt] > run_width[here])
+    )
+    if not join.any():
+        return texts
+    # The byte offset of the "\n" that ends each line: its row's start plus the bytes of the
+    # lines before it, each followed by its "\n".
+    step = np.asarray(pc.binary_length(values), dtype=np.int64) + 1
+    end_in_row = np.cumsum(step)
+    end_in_row -= np.concatenate([[0], end_in_row])[lines.offsets[:-1]][row]
+    buffers = texts.buffers()
+    offset_type = np.int64 if pa.types.is_large_string(texts.type) else np.int32
+    text_offsets = np.frombuffer(buffers[1], dtype=offset_type)[: len(texts) + 1].astype(np.int64)
+    newline = text_offsets[row[here[join]]] + end_in_row[here[join]] - 1
+    data = np.frombuffer(buffers[2], dtype=np.uint8).copy()
+    data[newline] = 0x20
+    cr = newline[(newline > 0)]
+    cr = cr[data[cr - 1] == 0x0D]
+    data[cr - 1] = 0x20
+    return pa.Array.from_buffers(texts.type, len(texts), [buffers[0], buffers[1], pa.py_buffer(data)],
+                                 null_count=texts.null_count)
+
+
 class BatchText:
     """The units of a batch's `text` column, each computed once on first use."""
 
     def __init__(self, texts: pa.Array) -> None:
         self.texts = _as_array(texts)
         self.n = len(self.texts)
+        self._reflowed: dict[tuple[int, int], BatchText] = {}
+
+    def reflowed(self, min_width: int, max_width: int) -> "BatchText":
+        """The units of these texts with hard-wrapped paragraphs joined (`reflow_hard_wrapped`), cached."""
+        key = (min_width, max_width)
+        if key not in self._reflowed:
+            self._reflowed[key] = BatchText(reflow_hard_wrapped(self.texts, min_width, max_width))
+        return self._reflowed[key]
 
     @cached_property
     def length(self) -> np.ndarray:

@@ -74,3 +74,21 @@ def stdlib_documents(n: int, offset: int = 0) -> list[tuple[str, str]]:
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[offset:offset + n]
     return [(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in files]
+
+
+def tiny_pipeline_params(params_file: Path) -> dict:
+    """The project's params.yaml shrunk so the whole `dvc repro` chain runs in minutes on 2 cores:
+    a small demo corpus, a one-layer domain model and a one-layer decoder for 6 steps."""
+    import yaml
+
+    params = yaml.safe_load(Path(params_file).read_text())
+    params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8,
+                          package_records=10, entry_points=5, doc_readmes=10, doc_news=5, doc_changelogs=5,
+                          debian_changelogs=5, doc_copyright=5, dpkg_manifests=10, logs=3)
+    params["domain"]["train"].update(n_layer=1, n_head=2, n_embd=32, context=64, steps=20, vocab_size=1000)
+    params["domain"]["model"]["window"] = 64
+    params["train"].update(vocab_size=300, seq_len=32, batch_size=4, steps=6, checkpoint_every=3, eval_rows=16,
+                           warmup_steps=2)
+    params["train"]["model"].update(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
+    return params
+

@@ -86,3 +86,64 @@ def test_classify_by_content():
     prose = "The quick brown fox jumps over the lazy dog. It is a sentence that is in English and it has words."
     assert classify(prose) == ("text", "en")
     assert classify(prose, "notes.txt") == ("text", "en")
+
+
+def _real_and_awkward_paths() -> list[str]:
+    """Paths of real files on this machine, and names that trip string handling."""
+    import os
+    import sys
+    import sysconfig
+
+    paths = []
+    for root in (sysconfig.get_paths()["stdlib"], "/usr/share/doc", "/etc", "/usr/bin", os.path.dirname(sys.executable)):
+        for dirpath, _dirs, names in os.walk(root):
+            paths += [os.path.join(dirpath, name) for name in names]
+            if len(paths) > 20_000:
+                break
+    awkward = [
+        "", "Makefile", "MAKEFILE", "b\\Makefile", "C:\\src\\main.C", "a/Dockerfile.dev", "dockerfile.", "x.", ".bashrc",
+        "dir.d/noext", "dir/.hidden.py", "x.S", "x.s", "Y.PY", "t.MD", "man/ls.1", "notes.TXT", "a/b/CMakeLists.txt",
+        "MAKEFİLE", "naïve.py", "ﬁle.md", "\u212a.py", "x.\u212aS", "doc/RE\u0130ADME.MD", "line\nbreak.py",
+        "weird/.", "a/b/", "..", "x..py", "archive.tar.gz", "módulo.RS", "日本語/テスト.go",
+    ]
+    return paths + awkward
+
+
+def test_vectorised_path_lookups_agree_with_the_per_path_functions():
+    import pyarrow as pa
+
+    from assay.languages import is_text_path, languages_from_paths, text_paths
+
+    paths = _real_and_awkward_paths()
+    array = pa.array(paths, pa.string())
+    assert languages_from_paths(array).to_pylist() == [language_from_path(p) if p else None for p in paths]
+    assert text_paths(array).tolist() == [is_text_path(p) for p in paths]
+    assert languages_from_paths(pa.array(["a.py", None], pa.string())).to_pylist() == ["python", None]
+
+
+def test_a_batch_is_classified_as_each_document_alone():
+    """Rows decided by name, shebang and content, mixed in one batch, keep their own answers."""
+    import pyarrow as pa
+
+    from assay.languages import classify_batch
+
+    prose = "The quick brown fox jumps over the lazy dog. It is a sentence that is in English and it has words."
+    code = "int main() {\n  int x = 1;\n  return x;\n}\n"
+    docs = [
+        (prose, "README"), (code, "main"), ("#!/usr/bin/env python3\nprint(1)\n", "tool"), (prose, "a.py"),
+        (code, "notes.txt"), ("#!/bin/sh\necho hi\n", "script.md"), ("#!/no/such/thing\nx\n", ""), ("ok", "Makefile"),
+        (prose * 100, "doc.rst"), ("zzz qqq www eee rrr ttt", ""), (code, "C:\\x\\y.MD"), ("", "empty"),
+        ("The caf\u00e9 is on the corner and it is open to all of the town.", ""),  # not ASCII
+        ("\x1f".join(prose.split()), ""),  # ASCII, but only \x1f between words: Python's whitespace all the same
+        ("\u00a0".join(prose.split()), ""),  # no-break spaces
+    ]
+    texts = pa.array([t for t, _ in docs], pa.large_string())
+    paths = pa.array([p for _, p in docs], pa.string())
+    kinds, langs = classify_batch(texts, paths)
+    assert list(zip(kinds.to_pylist(), langs.to_pylist())) == [classify(t, p) for t, p in docs]
+    for order in (list(reversed(range(len(docs)))), [i for i in range(len(docs)) if i % 2] + [i for i in range(len(docs)) if not i % 2]):
+        k, l = classify_batch(texts.take(pa.array(order)), paths.take(pa.array(order)))
+        assert list(zip(k.to_pylist(), l.to_pylist())) == [classify(*docs[i]) for i in order]
+    assert list(zip(kinds.to_pylist(), langs.to_pylist()))[:4] == [
+        ("text", "en"), ("code", "und"), ("code", "python"), ("code", "python")]
+    assert langs.to_pylist()[-3:] == ["en", "en", "en"]

@@ -13,6 +13,8 @@ import yaml
 from assay.config import DemoParams
 from assay.ingest.demo import REFERENCE_SOURCES, SOURCE_METADATA, SOURCE_STDLIB, plan_demo
 from assay.ingest.plan import IngestOptions
+from corpus import tiny_pipeline_params
+from dvc_reruns import check_reruns
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -37,7 +39,8 @@ def test_demo_is_deterministic_for_a_seed_and_has_every_part():
 
 
 def _run(cmd, cwd, env):
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    # The whole loop (two trainings, the scoring pass) takes minutes on a busy 2-core machine.
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -49,15 +52,7 @@ def dvc_repo(tmp_path):
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", GIT_AUTHOR_NAME="t",
                GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["demo"].update(stdlib_files=25, package_files=15, package_metadata=10, man_pages=6, pydoc_topics=8,
-                          package_records=10, entry_points=5, doc_readmes=10, doc_news=5, doc_changelogs=5,
-                          debian_changelogs=5, doc_copyright=5, dpkg_manifests=10, logs=3)
-    params["domain"]["train"].update(n_layer=1, n_head=2, n_embd=32, context=64, steps=20, vocab_size=1000)
-    params["domain"]["model"]["window"] = 64
-    params["train"].update(vocab_size=300, seq_len=32, batch_size=4, steps=6, checkpoint_every=3, eval_rows=16,
-                           warmup_steps=2)
-    params["train"]["model"].update(dim=32, n_layers=1, n_heads=2, ffn_hidden=64)
+    params = tiny_pipeline_params(ROOT / "params.yaml")
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _run(["git", "init", "-q"], repo, env)
     _run([str(BIN / "dvc"), "init", "-q"], repo, env)
@@ -67,6 +62,7 @@ def dvc_repo(tmp_path):
     return repo, env
 
 
+@pytest.mark.slow
 def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     repo, env = dvc_repo
     dvc = str(BIN / "dvc")
@@ -88,7 +84,14 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     metrics = json.loads((repo / "runs/round-0/metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["data"]["data_hash"].endswith(".dir")
     assert list((repo / "runs/round-0/telemetry").glob("part-*.parquet"))
-    assert "final_loss" in _run([dvc, "metrics", "show"], repo, env)
+    # The loop: scores of every document, the curated version, round 1 on it, the report.
+    scores = json.loads((repo / "runs/round-0/scores/manifest.json").read_text())
+    curated = json.loads((repo / "data/curated/manifest.json").read_text())
+    assert curated["stage"] == "dynamic" and curated["counts"]["input"] == dedup["dedup"]["kept"]
+    round1 = json.loads((repo / "runs/round-1/metrics.json").read_text())
+    assert round1["steps"] == 6 and round1["data"]["data_hash"] != metrics["data"]["data_hash"]
+    assert (repo / "reports/index.html").stat().st_size > 100_000
+    assert scores and "final_loss" in _run([dvc, "metrics", "show"], repo, env)
     assert "up to date" in _run([dvc, "status"], repo, env)
 
     _run(["git", "add", "dvc.lock", "data/.gitignore", "models/.gitignore", "runs"], repo, env)
@@ -116,3 +119,6 @@ def test_dvc_repro_runs_the_pipeline_and_versions_it(dvc_repo):
     assert json.loads((repo / "data/dedup/manifest.json").read_text()) == dedup
     assert (repo / "runs/round-0/checkpoints/latest").exists()
     assert "up to date" in _run([dvc, "status"], repo, env)
+
+    # Nothing changed: nothing reruns; one threshold: exactly its stage and what depends on it.
+    check_reruns(repo, env)

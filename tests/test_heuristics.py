@@ -483,3 +483,96 @@ def test_source_rules_choose_filters_per_source_and_never_none():
         params_from_dict({"static": {"source_rules": {"docs": []}}})
     with pytest.raises(AssayError, match="unknown filter"):
         params_from_dict({"static": {"source_rules": {"docs": ["c5"]}}})
+
+
+# --- hard-wrapped paragraphs (ours: C4's and FineWeb's line rules assume web text's one line per paragraph) ---
+
+#: /usr/share/doc/tar/README.Debian (Debian's tar 1.34), verbatim: plain prose hard-wrapped at ~80 columns.
+TAR_README_DEBIAN = (
+    "The options -Z, --compress, and --uncompress all require that there be a\n"
+    "'compress' utility installed on the system.  If there is no compress installed\n"
+    "on your system, you will get errors if you try to use these options to tar.  \n"
+    "\n"
+    "While the algorithm used by compress was originally encumbered by patents, \n"
+    "enough time has passed that 'ncompress' is now available in Debian main.\n"
+    "\n"
+    "- - - - -\n"
+    "\n"
+    "The tar upstream developers prefer to document using the 'info' format, but \n"
+    "unfortunately the info docs are under a license Debian considers non-free.  If\n"
+    "you want the full, canonical documentation for tar and not just the man page\n"
+    "that upstream provides as a courtesy to users, you might want to install the\n"
+    "tar-doc package which can be found in Debian non-free.  Alternatively, you\n"
+    "can find the tar doc online at https://www.gnu.org/software/tar/manual/\n"
+)
+
+
+def test_a_real_hard_wrapped_readme_is_kept_once_its_paragraphs_are_reflowed():
+    """The published line rules drop it (most lines end mid-sentence); judged per paragraph, it passes."""
+    published = HeuristicsParams(reflow=dataclasses.replace(HeuristicsParams().reflow, enabled=False))
+    old = apply_chain(build_heuristics(published), batch(TAR_README_DEBIAN))
+    assert old.reason == ["fineweb_quality:line_punct_ratio"]
+    new = apply_chain(build_heuristics(HeuristicsParams()), batch(TAR_README_DEBIAN))
+    assert new.keep.tolist() == [True], new.reason
+    assert new.scores["fineweb_quality:line_punct_ratio"][0] > 0.12 > old.scores["fineweb_quality:line_punct_ratio"][0]
+
+
+def test_reflow_joins_only_the_soft_breaks_of_wrapped_paragraphs():
+    import textwrap
+
+    from filters.text_units import reflow_hard_wrapped
+
+    sentence = ("this library reads and writes configuration files in a small format and is used by several "
+                "other programs on the system without any dependency beyond the standard library")
+    wrapped = textwrap.fill(sentence[0].upper() + sentence[1:] + ".", 72)
+    assert wrapped.count("\n") >= 2
+    texts = [
+        wrapped + "\n\nUsage\n=====\n\n" + wrapped.replace("\n", "\r\n") + "\n- first item\n- second item\n",
+        "Home\nAbout us\nContact\nNews and events\n",                     # a menu: short lines stay lines
+        "pkg/module.py,sha256=abcdefghijklmnopqrstuvwxyz0123456789ABCDEFG,1234\n" * 4,  # one word per line
+        ("A web page puts a whole paragraph on one line, " * 4).strip() + "\n" + wrapped,  # widest line > 100
+        "One sentence per line, all of them about the same length here.\n"
+        "Another sentence on its own line, ending where it should end.\n",
+        "",
+    ]
+    out = reflow_hard_wrapped(pa.array(texts, pa.large_string()), 50, 100).to_pylist()
+    assert [len(t.encode()) for t in out] == [len(t.encode()) for t in texts]  # bytes replaced in place
+    first = out[0].split("\n\n")
+    assert first[0] == wrapped.replace("\n", " ")
+    assert first[1] == "Usage\n=====" and "\n" not in first[2].split("\n- ")[0].replace("\r", "")
+    assert first[2].endswith("standard library.\n- first item\n- second item\n")
+    assert out[1:] == texts[1:]
+    # A sliced (offset) array is handled, and string (32-bit offsets) too.
+    sliced = reflow_hard_wrapped(pa.array(["x", wrapped], pa.string()).slice(1), 50, 100).to_pylist()
+    assert sliced == [wrapped.replace("\n", " ")]
+
+
+def test_reflow_is_a_setting_and_off_gives_the_published_rules():
+    off = params_from_dict({"static": {"heuristics": {"reflow": {"enabled": False}}}}).static.heuristics
+    assert all(getattr(f, "reflow", None) is None for f in build_heuristics(off))
+    on = build_heuristics(HeuristicsParams())
+    assert {f.name: getattr(f, "reflow", None) for f in on}["c4"] == (50, 100)
+    with pytest.raises(AssayError, match="min_width"):
+        params_from_dict({"static": {"heuristics": {"reflow": {"min_width": 120, "max_width": 100}}}})
+
+
+def test_source_rules_accept_patterns_and_the_defaults_judge_plain_text_files_by_gopher():
+    from filters.heuristics import rules_for
+
+    rules = {"doc-readme": ["c4"], "doc-*": ["gopher_quality"], "*": ["fineweb_quality"]}
+    assert rules_for("doc-readme", rules) == ["c4"]  # an exact name wins over patterns
+    assert rules_for("doc-news", rules) == ["gopher_quality"]  # then the first pattern that matches
+    assert rules_for("man", rules) == ["fineweb_quality"] and rules_for("man", {"doc-*": ["c4"]}) is None
+    defaults = params_from_dict({}).static
+    gopher = ["gopher_repetition", "gopher_quality"]
+    for source in ("doc-readme", "pypi-description", "pypi-record", "dpkg-manifest", "debian-changelog", "logs",
+                   "fresh-licence"):
+        assert rules_for(source, defaults.source_rules) == gopher, source
+    assert rules_for("man", defaults.source_rules) is None  # anything else: the whole chain
+    b = pa.record_batch({
+        "text": pa.array([TAR_README_DEBIAN + "\nUse the {braces} as shown."] * 2, pa.large_string()),
+        "kind": pa.array(["text", "text"]),
+        "source": pa.array(["doc-readme", "web"]),
+    })
+    result = apply_by_source(build_heuristics(defaults.heuristics), b, defaults.source_rules)
+    assert result.reason == [None, "c4:curly_bracket"]

@@ -541,3 +541,64 @@ def test_edge_files_read_alike(tmp_path, name, fields):
     fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=1000, **fields)
     reference, ref_counts = run_reader(path, tmp_path / "lines", "lines", **fields)
     assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+
+
+def test_an_error_while_preparing_a_block_reaches_the_reader_and_nothing_is_committed(tmp_path, monkeypatch):
+    import assay.ingest.jsonl as jsonl
+
+    path = tmp_path / "clean.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "text": f"Document {i}."}) + "\n" for i in range(3000)))
+    prepare = jsonl._Block.prepare
+
+    def failing(block):
+        if block.first > 1500:
+            raise RuntimeError("a bug while preparing")
+        return prepare(block)
+
+    monkeypatch.setattr(jsonl._Block, "prepare", failing)
+    with pytest.raises(RuntimeError, match="a bug while preparing"):
+        run_reader(path, tmp_path / "out", "arrow", jsonl_block_bytes=4096)
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+def test_many_bad_lines_in_one_block_cost_a_few_reparses(tmp_path, monkeypatch):
+    import pyarrow.json as pa_json
+
+    import assay.ingest.jsonl as jsonl
+
+    lines = []
+    for i in range(6000):
+        lines.append(json.dumps({"id": f"d{i}", "text": f"Short document number {i}."}))
+        if i % 50 == 49:
+            lines.append('{"id": "bad", "text": "missing the closing brace"')
+    path = tmp_path / "short-lines.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    parsed = []
+    read_json = pa_json.read_json
+
+    def measuring(source, **kwargs):
+        parsed.append(source.size())
+        return read_json(source, **kwargs)
+
+    monkeypatch.setattr(jsonl.pa_json, "read_json", measuring)
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=4 * 2**20)  # one block
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines")
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert counts["jsonl_lines_python"] == 120 and counts["quarantined"] == 120
+    # 120 bad lines, each retrying the rest of the block, would parse it about 60 times.
+    assert sum(parsed) < 15 * path.stat().st_size
+
+
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_any_number_of_worker_threads_gives_what_the_line_reader_gives(tmp_path, threads):
+    path = write_dirty(tmp_path / "dirty.jsonl")
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines")
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=1024, jsonl_threads=threads)
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+
+
+def test_a_negative_thread_count_is_a_clear_error():
+    from assay.ingest.plan import IngestOptions
+
+    with pytest.raises(AssayError, match="jsonl_threads must be 0 or more"):
+        IngestOptions(jsonl_threads=-1)

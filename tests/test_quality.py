@@ -124,7 +124,12 @@ def test_labels_recipe_on_real_text(tmp_path):
     encoder = Encoder(params.static.encoder)
     embeddings = encoder.encode(examples.texts)
     _, test_rows = split(len(examples.texts), examples.labels, params.quality.holdout, params.quality.seed)
-    again = evaluate(examples.labels[test_rows], head.probabilities(embeddings[test_rows]), config.threshold)
+    # Without a dev part the head is calibrated on its held-out split, so that static.threshold
+    # (a calibrated cut) means the same for every head; the stage scores on that scale.
+    assert report["calibration"]["fitted_on"].startswith("the head's held-out split")
+    assert held["scale"] == "calibrated" and config.calibration is not None
+    calibrated = HeadScorer(out).score([examples.texts[i] for i in test_rows], embeddings[test_rows])
+    again = evaluate(examples.labels[test_rows], calibrated, config.threshold)
     assert again["auc"] == pytest.approx(held["auc"])
     assert again["at_threshold"]["accuracy"] == pytest.approx(held["at_threshold"]["accuracy"])
 
@@ -363,3 +368,68 @@ def test_finetune_writes_a_loadable_encoder(tmp_path):
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     base = Encoder(EncoderParams(precision="fp32")).encode(good[:2])
     assert np.abs(vectors - base).max() > 1e-4  # the weights did move
+
+
+# --- calibration ------------------------------------------------------------------
+
+
+def test_platt_scaling_is_the_maximum_likelihood_fit_and_a_monotone_probability():
+    from scipy.optimize import minimize
+
+    from assay.quality.calibration import Platt, fit_platt
+
+    rng = np.random.default_rng(3)
+    labels = rng.random(400) < 0.35
+    logits = np.where(labels, rng.normal(0.2, 0.08, 400), rng.normal(-0.1, 0.08, 400))  # squeezed, like the head's
+    platt = fit_platt(logits, labels)
+    n_pos, n_neg = labels.sum(), (~labels).sum()
+    targets = np.where(labels, (n_pos + 1) / (n_pos + 2), 1 / (n_neg + 2))  # Platt's smoothed targets
+
+    def nll(w):
+        z = w[0] * logits + w[1]
+        return np.sum(np.logaddexp(0, z) - targets * z)
+
+    best = minimize(nll, [1.0, 0.0], method="Nelder-Mead", options={"xatol": 1e-8, "fatol": 1e-10, "maxiter": 5000})
+    assert nll([platt.a, platt.b]) <= best.fun + 1e-6
+    assert (platt.n, platt.positives) == (400, n_pos)
+    p = platt(np.linspace(-50, 50, 10001))
+    assert ((p >= 0) & (p <= 1)).all() and (np.diff(p) >= 0).all()  # a probability, never decreasing
+    inside = platt(np.linspace(logits.min(), logits.max(), 1001))
+    assert (np.diff(inside) > 0).all()  # and strictly increasing over the scores it was fitted on
+    assert roc_auc(labels, platt(logits)) == roc_auc(labels, logits)  # ranking unchanged
+    # The calibrated probability matches the observed rate far better than the squeezed raw one.
+    raw = 1 / (1 + np.exp(-logits))
+    ece_raw = expected_calibration_error(calibration_table(labels, raw))
+    ece_platt = expected_calibration_error(calibration_table(labels, platt(logits)))
+    assert ece_platt < 0.05 < ece_raw
+    assert Platt.from_dict(platt.to_dict()) == platt
+    with pytest.raises(ValueError, match="both classes"):
+        fit_platt(logits, np.ones(400, dtype=bool))
+    with pytest.raises(ValueError, match="non-increasing"):
+        fit_platt(-logits, labels)  # a score that ranks junk higher cannot be calibrated into one
+
+
+def test_a_head_with_calibration_examples_scores_calibrated_probabilities(tmp_path):
+    """train_head fits Platt scaling on the examples' calibration set (not on its training rows)."""
+    from assay.quality.train import Examples
+
+    labels_file = write_jsonl(tmp_path / "labels.jsonl", real_labelled_rows(40))
+    examples = labelled_examples(labels_file, None)
+    held = real_labelled_rows(60)[40:60] + real_labelled_rows(60)[-20:]
+    examples.calibration = Examples([r["text"] for r in held], np.array([r["label"] == 1 for r in held]),
+                                    [f"cal:{i}" for i in range(len(held))])
+    params = Params()
+    report = train_head(examples, params, tmp_path / "head", recipe="labels")
+    assert report["calibration"]["method"] == "platt" and report["calibration"]["n"] == len(held)
+    _, config = load_head(tmp_path / "head")
+    assert config.calibration == {k: v for k, v in report["calibration"].items() if k != "fitted_on"}
+    calibrated = HeadScorer(tmp_path / "head").score(examples.texts, None)
+    raw = HeadScorer(tmp_path / "head", calibrated=False).score(examples.texts, None)
+    assert ((calibrated >= 0) & (calibrated <= 1)).all()
+    assert (np.argsort(calibrated, kind="stable") == np.argsort(raw, kind="stable")).all()
+    # The raw words head is squeezed around 0.5; calibrated, the two classes sit near 0 and 1.
+    assert np.ptp(calibrated) > 2 * np.ptp(raw)
+    assert calibrated[examples.labels].mean() > 0.8 and calibrated[~examples.labels].mean() < 0.2
+    params.quality.calibration = None
+    report = train_head(examples, params, tmp_path / "raw", recipe="labels")
+    assert "calibration" not in report and load_head(tmp_path / "raw")[1].calibration is None

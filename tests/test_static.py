@@ -44,6 +44,9 @@ def tier1(tmp_path_factory, prefect_harness):
     params["quality"]["reference_sources"] = ["reference"]
     params["quality"]["negatives_share"] = 1.0  # few documents: every non-reference one may be a negative
     params["static"]["source_rules"] = {"reference": ["gopher_repetition", "gopher_quality"]}
+    # No labelled pool here, so the head is not calibrated: its raw probability is cut where the
+    # raw words head was cut before calibration (params.yaml's threshold is a calibrated probability).
+    params["static"]["threshold"] = 0.44
     params["static"]["head"] = str(root / "head")
     params["io"]["batch_rows"] = 32
     params_file = root / "params.yaml"
@@ -65,6 +68,8 @@ def test_head_report(tier1):
     assert report["head"]["auc"] > 0.9
     assert {"precision", "recall"} <= set(report["head"]["at_threshold"])
     assert sum(r["count"] for r in report["head"]["calibration"]) == report["training"]["held_out"]
+    # No labelled dev part here: the head is calibrated on its own held-out split instead.
+    assert report["calibration"]["fitted_on"].startswith("the head's held-out split")
 
 
 def test_every_input_row_has_one_decision(tier1):

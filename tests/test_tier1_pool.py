@@ -152,11 +152,13 @@ def test_training_negatives_never_come_from_the_measured_part(tmp_path):
     assert dev == {i for i in pool_ids if parts[i] == DEV} and len(dev) > 5 and len(measured) > 60
 
 
-def test_tier1_on_a_labelled_sample_meets_the_head_and_junk_targets(pool, tmp_path):
+def test_tier1_on_a_labelled_sample_meets_its_targets(pool, tmp_path):
     """GPT-3's recipe as `assay quality train` runs it: the reference set trains the head against
-    negatives from one part of the pool; the rest is measured. Targets: the head's ROC AUC >= 0.95
-    on every labelled document (not only the heuristics' survivors), >= 90% of junk dropped.
-    (Tier 1's recall of good prose misses its 80% target with the full chain: BENCHMARKS.md.)"""
+    negatives from one part of the pool, the head is Platt-calibrated on the dev part, and the measured
+    part is judged with params.yaml's settings. Targets: >= 80% of good prose kept, >= 90% of junk
+    dropped, the head's ROC AUC >= 0.95 on every labelled document (not only the heuristics' survivors).
+    Tier 1 misses the first: it kept 77.6% of this sample's good prose (75.8% of the demo pool's measured
+    part, BENCHMARKS.md), so 70% is asserted; the published chain with the raw head kept about 35%."""
     from pydoc_data.topics import topics
 
     from assay.ingest.demo import man_pages
@@ -166,6 +168,7 @@ def test_tier1_on_a_labelled_sample_meets_the_head_and_junk_targets(pool, tmp_pa
     from assay.quality.train import Examples, train_head
 
     params = Params()
+    q = params.quality
     reference = [topics[name] for name in sorted(topics)]
     for path in man_pages()[::40][:40]:
         try:
@@ -173,17 +176,108 @@ def test_tier1_on_a_labelled_sample_meets_the_head_and_junk_targets(pool, tmp_pa
         except OSError:
             continue
     ids = [f"{s}:{p}" for s, p in zip(pool["source"], pool["path"])]
-    negative = in_negatives_part(ids, params.quality.negatives_share, params.quality.seed)
-    negatives = [t for t, n in zip(pool["text"], negative) if n]
+    parts = pool_parts(ids, q.negatives_share, q.dev_share, q.seed)
+    negatives = [t for t, part in zip(pool["text"], parts) if part == "negatives"]
+    dev = (parts == DEV) & (pool["label"] != UNLABELLED)
     examples = Examples(reference + negatives, np.array([True] * len(reference) + [False] * len(negatives)),
-                        [f"row:{i}" for i in range(len(reference) + len(negatives))])
-    train_head(examples, params, tmp_path / "head", recipe="reference")
+                        [f"row:{i}" for i in range(len(reference) + len(negatives))],
+                        calibration=Examples([t for t, d in zip(pool["text"], dev) if d], pool["label"][dev] == GOOD,
+                                             [i for i, d in zip(ids, dev) if d]))
+    report = train_head(examples, params, tmp_path / "head", recipe="reference")
+    assert report["calibration"]["method"] == "platt", report["calibration"]
     params.static.head = str(tmp_path / "head")
-    measured = {name: [v for v, n in zip(pool[name], negative) if not n] for name in ("text", "source", "path")}
+    measured = {name: [v for v, part in zip(pool[name], parts) if part == MEASURED] for name in ("text", "source", "path")}
     measured["id"], measured["kind"] = [f"m{i}" for i in range(len(measured["text"]))], ["text"] * len(measured["text"])
     result = measure_tier1(measured, params, None, HeadScorer(tmp_path / "head"))
     assert result["heuristics"]["good"] >= 40 and result["heuristics"]["junk"] >= 60, result["heuristics"]
     assert result["head"]["auc"] >= 0.95, result["head"]
-    assert result["heuristics"]["junk_dropped"] >= 0.9 and result["tier1"]["junk_dropped"] >= 0.9
-    # (static.threshold was chosen for the head trained on the whole demo; this smaller head ranks
-    # as well but is calibrated differently, so its keep rates at that threshold are not asserted.)
+    assert result["tier1"]["good_kept"] >= 0.7 and result["tier1"]["junk_dropped"] >= 0.9, result["tier1"]
+    assert result["heuristics"]["good_kept"] >= 0.8, result["heuristics"]
+
+
+def source_batch(docs) -> pa.RecordBatch:
+    return pa.record_batch({"text": pa.array(docs["text"], pa.large_string()),
+                            "kind": pa.array(["text"] * len(docs["text"])), "source": pa.array(docs["source"])})
+
+
+def test_the_default_rules_keep_real_prose_and_drop_junk(pool):
+    """params.yaml's choice (made on the dev part): plain-text files are judged by the Gopher rules,
+    since C4's and FineWeb's line rules were designed for web extractions. On this sample the published
+    chain keeps 38% of the good prose (reflowing wrapped paragraphs: 42%); the default keeps 86%."""
+    from assay.config import ReflowParams
+    from filters.heuristics import apply_by_source
+
+    labels, static = pool["label"], Params().static
+    new = keep_rates(labels, apply_by_source(build_heuristics(static.heuristics), source_batch(pool),
+                                             static.source_rules).keep)
+    assert new["good_kept"] >= 0.8 and new["junk_dropped"] >= 0.9, new
+    published = HeuristicsParams(reflow=ReflowParams(enabled=False))
+    old = keep_rates(labels, apply_chain(build_heuristics(published), batch(pool)).keep)
+    reflowed = keep_rates(labels, apply_chain(build_heuristics(static.heuristics), batch(pool)).keep)
+    assert old["good_kept"] < reflowed["good_kept"] < new["good_kept"] - 0.3, (old, reflowed, new)
+    assert reflowed["junk_dropped"] >= 0.9
+
+
+def test_calibration_examples_come_only_from_the_labelled_dev_part(tmp_path):
+    from assay.quality.train import reference_examples
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    n = 400
+    sources = ["man"] * 100 + ["doc-readme"] * 100 + ["pypi-record"] * 100 + ["doc-copyright"] * 100
+    ids = [f"doc-{i}" for i in range(n)]
+    texts = [f"Document {i} says something. " * 40 for i in range(n)]  # long enough to be labelled good
+    table = pa.table({"id": ids, "text": texts, "kind": ["text"] * n, "lang": ["en"] * n, "source": sources,
+                      "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n})
+    with ShardWriter(tmp_path / "raw", DOCUMENT_SCHEMA) as writer:
+        writer.write(table)
+    write_manifest(tmp_path / "raw", {"documents": n})
+    params = Params()
+    params.quality.reference_sources = ["man"]
+    q = params.quality
+    examples = reference_examples(tmp_path / "raw", params)
+    parts = dict(zip(ids, pool_parts(ids, q.negatives_share, q.dev_share, q.seed)))
+    source = dict(zip(ids, sources))
+    expected = {i for i in ids[100:300] if parts[i] == DEV}  # labelled pool documents of the dev part
+    cal = examples.calibration
+    assert set(cal.ids) == expected and len(expected) > 20
+    assert all(label == (source[i] == "doc-readme") for i, label in zip(cal.ids, cal.labels))
+    assert not set(cal.ids) & set(examples.ids)  # never a training example
+    q.dev_share = 0.0
+    assert reference_examples(tmp_path / "raw", params).calibration is None
+
+
+# --- the fresh set ----------------------------------------------------------------------
+
+
+def test_fresh_labels_are_by_provenance_only():
+    from assay.quality.fresh import FILE_KINDS, FRESH_LABELS, fresh_labels
+    from filters.heuristics import rules_for
+
+    assert set(FRESH_LABELS) == set(FILE_KINDS) | {"fresh-dpkg-status"}
+    assert not set(FRESH_LABELS) & set(POOL_SOURCES) and not set(FRESH_LABELS) & set(POOL_LABELS)
+    # The labeller sees a document's kind and length, nothing else: the same kinds, whatever the text.
+    kinds = sorted(FRESH_LABELS)
+    labels = fresh_labels(kinds + kinds + ["man"], [MIN_GOOD_CHARS] * len(kinds) + [10] * len(kinds) + [5000])
+    assert labels[:len(kinds)].tolist() == [FRESH_LABELS[k] for k in kinds]
+    assert labels[len(kinds):-1].tolist() == [JUNK if FRESH_LABELS[k] == JUNK else UNLABELLED for k in kinds]
+    assert labels[-1] == UNLABELLED
+    # Its kinds are plain-text files, judged by the rules params.yaml gives such files.
+    static = Params().static
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality"] for k in kinds)
+
+
+def test_the_fresh_set_reads_no_file_of_the_pool():
+    from assay.ingest.demo import dist_info_files, doc_files, dpkg_manifests, log_files, metadata_files
+    from assay.quality.fresh import fresh_labels, read_fresh
+
+    fresh = read_fresh(per_kind=6)
+    if len(set(fresh["source"])) < 5:
+        pytest.skip(f"this machine lacks most of the fresh set's files ({sorted(set(fresh['source']))})")
+    assert fresh == read_fresh(per_kind=6)  # deterministic
+    assert len(set(fresh["id"])) == len(fresh["id"]) and set(fresh["kind"]) == {"text"}
+    pool_files = {str(p) for p in metadata_files() + dist_info_files("RECORD") + dist_info_files("entry_points.txt")
+                  + doc_files(lambda name: True) + dpkg_manifests() + log_files()}
+    assert not pool_files & set(fresh["path"])
+    labels = fresh_labels(fresh["source"], [len(t) for t in fresh["text"]])
+    assert (labels == GOOD).any() and (labels == JUNK).any()

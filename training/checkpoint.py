@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from assay.errors import AssayError
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["discard_partial_saves", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -97,40 +98,66 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: d
     return {"model": model_sd, "optim": optim_sd["state"], "extra": tensors}, optim_sd["param_groups"]
 
 
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     tensors: dict[str, torch.Tensor], trainer: dict) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; returns its directory."""
+    """Write checkpoint ``step`` and point ``latest`` at it; returns its directory.
+
+    In a process group every rank calls it: each writes its shards into the temporary
+    directory, and rank 0 alone renames it and moves ``latest`` once all have finished.
+    """
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
     tmp = root / f"{final.name}.tmp-save"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if _is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
     state, groups = _tensor_state(model, optimizer, tensors)
     with _single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp))
-    (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "step": step, "param_groups": groups},
-                                               indent=2, sort_keys=True, default=str))
-    if final.exists():  # the same step saved again (a rerun): replace it whole
-        shutil.rmtree(final)
-    tmp.rename(final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    pointer.replace(root / LATEST)
+        dcp.save(state, checkpoint_id=str(tmp))  # collective: returns when every rank has written
+    if _is_main():
+        (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "step": step, "param_groups": groups},
+                                                   indent=2, sort_keys=True, default=str))
+        if final.exists():  # the same step saved again (a rerun): replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        pointer.replace(root / LATEST)
+    _barrier()
     return final
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint, or None; leftovers of a killed save are removed."""
+    """The newest complete checkpoint, or None. Only reads: a run may be saving right now
+    (``score`` and ``export`` read checkpoints of runs that may still be training)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
-    for leftover in root.glob("*.tmp-save"):
-        shutil.rmtree(leftover, ignore_errors=True)
     pointer = root / LATEST
     if not pointer.exists():
         return None
     path = root / pointer.read_text().strip()
     return path if (path / TRAINER_FILE).exists() else None
+
+
+def discard_partial_saves(run_dir: str | Path) -> int:
+    """Remove what a killed save left (``*.tmp-save``); only the run's own trainer, starting up
+    before anything writes, may call it. Returns how many were removed."""
+    root = Path(run_dir) / CHECKPOINTS
+    leftovers = list(root.glob("*.tmp-save")) if root.is_dir() else []
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return len(leftovers)
 
 
 def read_trainer_state(checkpoint: str | Path) -> dict:

@@ -79,7 +79,7 @@ parameters, a parameter shared between modules) fall back, with a warning, to
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -93,6 +93,8 @@ from training.moe import MoE
 
 __all__ = [
     "DocumentStats",
+    "LayerGrad",
+    "LayerObserver",
     "per_document_grad_norms_functional",
     "per_document_grad_norms_reference",
     "per_document_loss_and_grad_norm",
@@ -169,6 +171,11 @@ class _Rows:
         self._rows_of_doc = sorted(rows_of.items())
         self._chunks: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
+    def in_order(self, chunk_rows: torch.Tensor) -> bool:
+        """Whether a chunk is every row of the batch, in order (then indexing would only copy)."""
+        return chunk_rows.numel() == self.n_rows and bool(
+            (chunk_rows == torch.arange(self.n_rows, device=chunk_rows.device)).all())
+
     def doc_chunks(self, max_rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Whole documents grouped into chunks of at most ``max_rows`` rows (more only for
         one document that alone has more): (rows, chunk-local document of each row, documents)."""
@@ -204,9 +211,13 @@ def _pad_by_row(ids: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Ten
 
 # ----------------------------------------------------------------------------- norms
 def _linear_sq_norms(
-    a: torch.Tensor, g: torch.Tensor, rows: _Rows, weight: bool, bias: bool, method: Method
+    a: torch.Tensor, g: torch.Tensor, rows: _Rows, weight: bool, bias: bool, method: Method,
+    visit: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """Per-document squared norms of sum_{t in d} g_t a_t^T (and of sum g_t); a, g are (B, M, .)."""
+    """Per-document squared norms of sum_{t in d} g_t a_t^T (and of sum g_t); a, g are (B, M, .).
+
+    When the weight gradients are materialised, ``visit(docs, per_doc)`` sees each chunk of
+    them (raw: before the per-document rescaling), so an observer reuses them for free."""
     B, M, d_in = a.shape
     d_out = g.shape[-1]
     out = torch.zeros(rows.n_docs, dtype=torch.float64, device=a.device)
@@ -238,10 +249,15 @@ def _linear_sq_norms(
     # Whole documents per chunk, so that a document's rows are summed before squaring while
     # memory stays at a few (d_out, d_in) matrices per row of the chunk.
     for chunk_rows, local_doc, docs in rows.doc_chunks(max(1, _CHUNK_ELEMENTS // (d_in * d_out))):
-        per_row = torch.bmm(g[chunk_rows].mT, a[chunk_rows])
+        if rows.in_order(chunk_rows):  # the whole batch in row order: no gathered copies of a and g
+            per_row = torch.bmm(g.mT, a)
+        else:
+            per_row = torch.bmm(g[chunk_rows].mT, a[chunk_rows])
         if len(docs) < len(chunk_rows):
             per_row = per_row.new_zeros(len(docs), d_out, d_in).index_add_(0, local_doc, per_row)
         out.index_add_(0, docs, per_row.pow(2).sum((1, 2)).double())
+        if visit is not None:
+            visit(docs, per_row)
     return out
 
 
@@ -260,15 +276,17 @@ def _embedding_sq_norms(module: nn.Embedding, tok: torch.Tensor, g: torch.Tensor
     return out.index_add_(0, unique // module.num_embeddings, per_key.pow(2).sum(1).double())
 
 
-def _rmsnorm_sq_norms(
-    module: RMSNorm, x: torch.Tensor, g: torch.Tensor, rows: _Rows, dtype: torch.dtype
-) -> torch.Tensor:
-    # Recompute x_hat exactly as RMSNorm.forward does (fp32, then back to x's dtype).
+def _rmsnorm_per_token(module: RMSNorm, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token weight gradient ``g_t * x_hat_t`` (B, N, dim), x_hat recomputed exactly as
+    RMSNorm.forward does (fp32, then back to x's dtype)."""
     xf = x.float()
     x_hat = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)).type_as(x)
-    per_token = g.to(dtype) * x_hat.to(dtype)
+    return g.to(dtype) * x_hat.to(dtype)
+
+
+def _rmsnorm_sq_norms(per_token: torch.Tensor, rows: _Rows) -> torch.Tensor:
     per_row = per_token.reshape(rows.n_rows, -1, per_token.shape[-1]).sum(1)
-    per_doc = torch.zeros(rows.n_docs, per_row.shape[1], dtype=dtype, device=x.device)
+    per_doc = per_row.new_zeros(rows.n_docs, per_row.shape[1])
     return per_doc.index_add_(0, rows.row_doc, per_row).pow(2).sum(1).double()
 
 
@@ -309,15 +327,43 @@ def _plan(model: nn.Module) -> _Plan:
     return _Plan(kinds, expert_of, unsupported)
 
 
+@dataclass
+class LayerGrad:
+    """What the backward hook of one module sees, in the layout every per-document formula uses.
+
+    ``linear``: ``x`` the input as the kernel saw it and ``g`` the output gradient, both
+    ``(B, M, .)`` by row (``M = N``, or an MoE expert's zero-padded tokens per row);
+    ``embedding``: ``x`` the token ids and ``g`` the output gradient; ``rmsnorm``: ``x`` None
+    and ``g`` the per-token weight gradient ``g_t * x_hat_t``. ``g`` is the gradient of the
+    batch loss as the backward computed it (before the per-document rescaling)."""
+
+    module: nn.Module
+    kind: str  # "linear" | "embedding" | "rmsnorm"
+    x: torch.Tensor | None
+    g: torch.Tensor
+    #: True once an observer's ``doc_weight_grads(layer, docs, per_doc)`` has seen this Linear's
+    #: materialised per-document weight gradients (observers are called after the norms).
+    weight_grads_visited: bool = False
+
+
+#: Called in the backward with every supported layer's LayerGrad and the batch's row layout
+#: (training.alignment accumulates per-document gradient dot products this way). An observer
+#: may also define ``doc_weight_grads(layer, docs, per_doc)``: it then sees the per-document
+#: weight gradients of a Linear whose norms materialise them, chunk by chunk, before its call.
+LayerObserver = Callable[[LayerGrad, "_Rows"], None]
+
+
 class _GhostNorms:
     """Forward hooks that save inputs; output tensor hooks that turn g into squared norms."""
 
-    def __init__(self, plan: _Plan, rows: _Rows, method: Method):
+    def __init__(self, plan: _Plan, rows: _Rows, method: Method, observers: Sequence[LayerObserver] = ()):
         self.plan, self.rows, self.method = plan, rows, method
+        self.observers = tuple(observers)
         self.sq_norms = torch.zeros(rows.n_docs, dtype=torch.float64, device=rows.row_doc.device)
         self.called: set[nn.Module] = set()
         self.capturing = True  # False after the forward: recomputation (checkpointing) is ignored
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.outputs: list[torch.Tensor] = []  # hooked outputs: the backward's targets without weight gradients
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not self.capturing:
@@ -342,22 +388,26 @@ class _GhostNorms:
                 f"batch position ({self.rows.n_rows} x {self.rows.seq_len})"
             )
         saved = {"x": args[0], "out_dtype": output.dtype, "dispatch": dispatch}
+        self.outputs.append(output)
         self.handles.append(output.register_hook(lambda g: self._on_grad(module, saved, g)))
 
     def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         # Hooks run inside the backward: no graph, and no autocast from the caller's context.
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
-            self.sq_norms += self._sq_norms(module, saved, g)
+            layer = self._layer(module, saved, g)
+            self.sq_norms += self._sq_norms(layer)
+            for observe in self.observers:
+                observe(layer, self.rows)
         saved.clear()  # free the input now rather than at the end of the step
 
-    def _sq_norms(self, module: nn.Module, saved: dict, g: torch.Tensor) -> torch.Tensor:
+    def _layer(self, module: nn.Module, saved: dict, g: torch.Tensor) -> LayerGrad:
         x, rows = saved["x"], self.rows
         dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
         kind = self.plan.kinds[module]
         if kind == "embedding":
-            return _embedding_sq_norms(module, x, g.to(dtype), rows)
+            return LayerGrad(module, kind, x, g.to(dtype))
         if kind == "rmsnorm":
-            return _rmsnorm_sq_norms(module, x, g, rows, dtype)
+            return LayerGrad(module, kind, None, _rmsnorm_per_token(module, x, g, dtype))
         # Linear: the weight gradient is built from the input as the layer's kernel saw it
         # (autocast casts it to the output dtype), accumulated in fp32.
         a = x.to(saved["out_dtype"]).to(dtype).reshape(-1, x.shape[-1])
@@ -372,9 +422,24 @@ class _GhostNorms:
             row, slot, m = _pad_by_row(ids, rows)
             a = a.new_zeros(rows.n_rows, m, a.shape[1]).index_put_((row, slot), a)
             g = g.new_zeros(rows.n_rows, m, g.shape[1]).index_put_((row, slot), g)
+        return LayerGrad(module, kind, a, g)
+
+    def _sq_norms(self, layer: LayerGrad) -> torch.Tensor:
+        module, rows = layer.module, self.rows
+        if layer.kind == "embedding":
+            return _embedding_sq_norms(module, layer.x, layer.g, rows)
+        if layer.kind == "rmsnorm":
+            return _rmsnorm_sq_norms(layer.g, rows)
         weight = module.weight.requires_grad
         bias = module.bias is not None and module.bias.requires_grad
-        return _linear_sq_norms(a, g, rows, weight, bias, self.method)
+        visitors = [o.doc_weight_grads for o in self.observers if hasattr(o, "doc_weight_grads")]
+
+        def visit(docs: torch.Tensor, per_doc: torch.Tensor) -> None:
+            layer.weight_grads_visited = True
+            for v in visitors:
+                v(layer, docs, per_doc)
+
+        return _linear_sq_norms(layer.x, layer.g, rows, weight, bias, self.method, visit if visitors else None)
 
 
 def _width(module: nn.Module, x: torch.Tensor) -> int:
@@ -383,8 +448,10 @@ def _width(module: nn.Module, x: torch.Tensor) -> int:
 
 
 @contextmanager
-def _ghost_norm_hooks(plan: _Plan, rows: _Rows, method: Method) -> Iterator[_GhostNorms]:
-    ghost = _GhostNorms(plan, rows, method)
+def _ghost_norm_hooks(
+    plan: _Plan, rows: _Rows, method: Method, observers: Sequence[LayerObserver] = ()
+) -> Iterator[_GhostNorms]:
+    ghost = _GhostNorms(plan, rows, method, observers)
     ghost.handles.extend(m.register_forward_hook(ghost._forward_hook) for m in plan.kinds)
     try:
         yield ghost
@@ -405,6 +472,8 @@ def per_document_loss_and_grad_norm(
     *,
     loss_scale: float = 1.0,
     method: Method = "auto",
+    observers: Sequence[LayerObserver] = (),
+    weight_grads: bool = True,
 ) -> DocumentStats:
     """One forward and one backward of the batch loss, plus every document's loss and
     ``||grad L_d||``.
@@ -413,7 +482,11 @@ def per_document_loss_and_grad_norm(
     into existing ``.grad`` like it), so the caller steps the optimizer afterwards. Run it
     inside ``torch.autocast`` if the step uses autocast. ``method`` forces the Linear norm
     algorithm (``"ghost"`` / ``"materialise"``); ``"auto"`` picks the cheaper per layer.
-    Reported losses and norms do not include ``loss_scale``.
+    Reported losses and norms do not include ``loss_scale``. ``observers`` are called in the
+    backward with each layer's :class:`LayerGrad` (they need the ghost path: a model this
+    module cannot attribute raises ``ValueError`` instead of falling back).
+    ``weight_grads=False`` leaves ``.grad`` alone and skips the weight-gradient products (about
+    a third of a backward): the per-document quantities need only the activation gradients.
     """
     _check_batch(tokens, targets, loss_mask, doc_index, n_docs)
     if loss_scale <= 0:
@@ -425,6 +498,9 @@ def per_document_loss_and_grad_norm(
         raise ValueError("the batch has no unmasked token")
 
     plan = _plan(model)
+    if plan.unsupported and observers:
+        raise ValueError("per-layer observers need ghost norms, which cannot attribute the gradient of "
+                         + ", ".join(plan.unsupported))
     if plan.unsupported:
         warnings.warn(
             "per-document ghost norms cannot attribute the gradient of "
@@ -434,17 +510,22 @@ def per_document_loss_and_grad_norm(
         )
         stats = per_document_grad_norms_reference(model, tokens, targets, loss_mask, doc_index, n_docs)
         loss = token_losses(model(tokens), targets, mask).sum() / n_total
-        (loss * loss_scale).backward()
+        if weight_grads:
+            (loss * loss_scale).backward()
         stats.batch_loss = loss.detach()
         return stats
 
     rows = _Rows(doc_index, n_docs, tokens.shape[1])
-    with _ghost_norm_hooks(plan, rows, method) as ghost:
+    with _ghost_norm_hooks(plan, rows, method, observers) as ghost:
         logits = model(tokens)
         ghost.capturing = False
         token_loss = token_losses(logits, targets, mask)
         loss = token_loss.sum() / n_total
-        (loss * loss_scale).backward()
+        if weight_grads:
+            (loss * loss_scale).backward()
+        else:
+            # Asking for the hooked outputs' gradients only prunes every weight-gradient product.
+            torch.autograd.grad(loss * loss_scale, ghost.outputs, allow_unused=True)
     sq_norms = ghost.sq_norms
 
     doc_loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)

@@ -4,7 +4,8 @@ One row per document per step: its loss, its gradient norm, its tokens, and
 whether the step was flagged. Rows are buffered and flushed as one part per
 checkpoint interval, named by the interval's first step, so the files on disk
 always end at a checkpoint and a resumed run can drop exactly the steps it
-will redo.
+will redo. In a data-parallel run each rank writes the documents it trained on,
+in parts named ``part-<step>-r<rank>``; readers take every part.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def _first_step(path: Path) -> int:
 
 
 class TelemetryLog:
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, rank: int | None = None):
         self.directory = Path(run_dir) / TELEMETRY_DIR
+        self.suffix = "" if rank is None else f"-r{rank:03d}"
         self._columns: dict[str, list] = {name: [] for name in TELEMETRY_SCHEMA.names}
 
     def add_step(self, step: int, doc_ids: list[str], loss: list[float], grad_norm: list[float] | None,
@@ -51,7 +53,7 @@ class TelemetryLog:
         if not self._columns["step"]:
             return None
         table = pa.Table.from_pydict(self._columns, schema=TELEMETRY_SCHEMA)
-        path = self.directory / f"part-{self._columns['step'][0]:08d}.parquet"
+        path = self.directory / f"part-{self._columns['step'][0]:08d}{self.suffix}.parquet"
         buffer = io.BytesIO()
         pq.write_table(table, buffer, compression=COMPRESSION)
         atomic_write_bytes(path, buffer.getvalue())
@@ -77,7 +79,10 @@ class TelemetryLog:
 
 def read_telemetry(run_dir: str | Path) -> pa.Table:
     """All telemetry of a run, ordered by step."""
-    parts = sorted((Path(run_dir) / TELEMETRY_DIR).glob("part-*.parquet"), key=_first_step)
+    parts = sorted((Path(run_dir) / TELEMETRY_DIR).glob("part-*.parquet"), key=lambda p: (_first_step(p), p.name))
     if not parts:
         return TELEMETRY_SCHEMA.empty_table()
-    return pa.concat_tables([pq.read_table(p, schema=TELEMETRY_SCHEMA) for p in parts])
+    table = pa.concat_tables([pq.read_table(p, schema=TELEMETRY_SCHEMA) for p in parts])
+    if any("-r" in p.stem for p in parts):  # ranks' parts interleave steps; Arrow's sort is stable
+        table = table.take(pc.sort_indices(table, [("step", "ascending")]))
+    return table

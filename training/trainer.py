@@ -40,10 +40,18 @@ from assay.devices import pick_device
 from assay.errors import AssayError
 from assay.shards import atomic_write_bytes, atomic_write_json
 from assay.versions import DatasetVersion
-from training.checkpoint import latest_checkpoint, load_checkpoint, read_trainer_state, save_checkpoint
+from training.checkpoint import (
+    discard_partial_saves,
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
 from training.data import TokenRows, batch_rows, build_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
+from training.parallel.distributed import init_distributed
+from training.parallel.setup import Parallel
 from training.spikes import SpikeDetector
 from training.telemetry import TelemetryLog
 from training.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -64,8 +72,14 @@ class TrainResult:
 
 # --------------------------------------------------------------------- setup
 def config_fingerprint(params: TrainParams) -> str:
-    """What must match for a checkpoint to be continued as the same run."""
-    blob = json.dumps(dataclasses.asdict(params), sort_keys=True).encode()
+    """What must match for a checkpoint to be continued as the same run.
+
+    The parallel layout is not part of it: DCP reshards, so a run saved on 4 ranks
+    continues on 2 (or on 1) as the same run.
+    """
+    config = dataclasses.asdict(params)
+    config.pop("parallel", None)
+    blob = json.dumps(config, sort_keys=True).encode()
     return hashlib.blake2b(blob, digest_size=12).hexdigest()
 
 
@@ -110,14 +124,18 @@ def build_model(params: TrainParams, vocab_size: int, device: torch.device) -> T
     return model
 
 
-def build_optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
+def optimizer_groups(model: nn.Module, params: TrainParams) -> list[dict]:
     # No weight decay on gains and embeddings, as in GPT-3 / Llama recipes.
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": params.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=params.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    return [{"params": decay, "weight_decay": params.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+OPTIMIZER_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def build_optimizer(model: nn.Module, params: TrainParams) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(optimizer_groups(model, params), lr=params.lr, **OPTIMIZER_DEFAULTS)
 
 
 def learning_rate(step: int, params: TrainParams) -> float:
@@ -149,16 +167,17 @@ def per_document_losses(logits: torch.Tensor, targets: torch.Tensor, loss_mask: 
     return batch_loss, doc_sum / doc_tokens.clamp_min(1), doc_tokens
 
 
-def forward_backward(model: Transformer, batch, grad_norms: str):
-    """Run one forward and backward; returns (loss, doc losses, doc grad norms or None, doc tokens)."""
+def forward_backward(model: Transformer, batch, grad_norms: str, loss_scale: float = 1.0):
+    """Run one forward and backward of ``batch loss * loss_scale``; returns (batch loss,
+    doc losses, doc grad norms or None, doc tokens), none of them scaled."""
     n_docs = len(batch.doc_ids)
     if grad_norms == "ghost":
         stats = per_document_loss_and_grad_norm(model, batch.tokens, batch.targets, batch.loss_mask,
-                                                batch.doc_index, n_docs)
+                                                batch.doc_index, n_docs, loss_scale=loss_scale)
         return stats.batch_loss.detach(), stats.loss.detach(), stats.grad_norm.detach(), stats.tokens
     logits = model(batch.tokens)
     loss, doc_loss, doc_tokens = per_document_losses(logits, batch.targets, batch.loss_mask, batch.doc_index, n_docs)
-    loss.backward()
+    (loss * loss_scale).backward()
     return loss.detach(), doc_loss.detach(), None, doc_tokens
 
 
@@ -186,6 +205,7 @@ def evaluate(model: Transformer, rows: TokenRows, params: TrainParams, device: t
 def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume: bool, overwrite: bool,
                  allow_data_change: bool) -> Path | None:
     """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
+    discard_partial_saves(out)
     checkpoint = latest_checkpoint(out)
     if checkpoint is None:
         if resume:
@@ -248,61 +268,76 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
     configurations on one tokenizer); a resumed run always uses the run's own.
     """
     out = Path(out)
+    world = init_distributed()  # rank 0 of 1 unless torchrun launched us
+    par = Parallel.setup(params, world)
     dev = pick_device(device or params.device)
-    checkpoint = _prepare_run(out, version, params, resume, overwrite, allow_data_change)
+    if dev.type == "cuda" and world.distributed:
+        dev = torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    checkpoint = world.on_main(lambda: _prepare_run(out, version, params, resume, overwrite, allow_data_change))
     torch.manual_seed(params.seed)
 
-    if checkpoint is not None:
-        tokenizer = load_tokenizer(out)
-    else:
-        tokenizer = tokenizer or train_tokenizer(tokenizer_texts(version, params), params.vocab_size)
-        save_tokenizer(tokenizer, out)
+    if checkpoint is None:
+        given = tokenizer
+        world.on_main(lambda: save_tokenizer(
+            given or train_tokenizer(tokenizer_texts(version, params), params.vocab_size), out))
+    tokenizer = load_tokenizer(out)
     train_rows, held_rows = _rows(version, tokenizer, params)
     if len(train_rows) == 0:
         raise AssayError(f"{version.path} has no training text (after holding out {params.holdout:.0%})")
 
     model = build_model(params, tokenizer.get_vocab_size(), dev)
-    optimizer = build_optimizer(model, params)
+    par.apply(model, dev)
+    optimizer = par.optimizer(optimizer_groups(model, params), params.lr, OPTIMIZER_DEFAULTS)
+
+    def plain_optimizer() -> torch.optim.Optimizer:  # ZeRO-1's checkpoints go through a whole AdamW
+        return build_optimizer(model, params)
+
     spikes = SpikeDetector(params.telemetry.spike_window, params.telemetry.spike_sigma,
                            params.telemetry.spike_min_history)
     rng = {"torch_rng": torch.get_rng_state()}
     tensors = {**spikes.state_tensors(), **rng}
 
     start, history = 0, []
-    telemetry = TelemetryLog(out)
+    telemetry = TelemetryLog(out, rank=world.rank if world.distributed else None)
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, model, optimizer, tensors)
+        state = par.load_checkpoint(checkpoint, model, optimizer, tensors, plain_optimizer)
         torch.set_rng_state(tensors["torch_rng"])
         start = state["step"]
         history = _read_history(out, start)
-        telemetry.truncate_after(start)
+        world.on_main(lambda: telemetry.truncate_after(start))
     if start >= params.steps and (out / METRICS_FILE).exists():
         metrics = json.loads((out / METRICS_FILE).read_text())
         return TrainResult(str(out), start, start, metrics)
 
     identity = {"data": version.identity(), "config_fingerprint": config_fingerprint(params),
                 "model_args": dataclasses.asdict(params.model), "seq_len": params.seq_len,
-                "precision": params.precision, "device": str(dev)}
+                "precision": params.precision, "device": str(dev), "parallel": par.describe()}
 
     def checkpoint_now(step: int) -> None:
         telemetry.flush()
-        _write_history(out, history)
+        world.on_main(lambda: _write_history(out, history))
         tensors["torch_rng"] = torch.get_rng_state()
-        save_checkpoint(out, step, model, optimizer, tensors, identity)
+        par.save_checkpoint(out, step, model, optimizer, tensors, identity, plain_optimizer)
 
     profiler = _profiler(out) if profile else None
     model.train()
-    tokens_seen, t0 = 0, time.perf_counter()
-    with _progress(progress, params.steps, start) as advance, (profiler or contextlib.nullcontext()):
+    tokens_seen, t0, memory = 0, time.perf_counter(), None
+    with _progress(progress and world.is_main, params.steps, start) as advance, \
+            (profiler or contextlib.nullcontext()):
         for step in range(start + 1, params.steps + 1):
-            batch = make_batch(train_rows, batch_rows(len(train_rows), params.batch_size, step - 1, params.seed))
-            batch = batch.to(dev)
+            whole = make_batch(train_rows, batch_rows(len(train_rows), params.batch_size, step - 1, params.seed))
+            local = par.local_batch(whole)  # this rank's documents; the whole batch on one process
+            batch = local.batch.to(dev)
             lr = learning_rate(step, params)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with precision_context(params.precision, dev):
-                loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, params.telemetry.grad_norms)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip))
+                # A rank without documents runs a masked placeholder row: nothing to attribute.
+                norms = params.telemetry.grad_norms if local.has_documents else "off"
+                loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, local.loss_scale)
+            loss = par.global_loss(loss, batch.n_tokens, local.global_tokens)
+            par.sum_moe_loads(model, local.has_documents)
+            grad_norm = par.clip_grad_norm(model, params.grad_clip)
             loss_value = float(loss)
             spike = spikes.check([loss_value, grad_norm])
             reason = None
@@ -315,6 +350,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
             moe_load = None
             if reason is None:
                 optimizer.step()
+                if memory is None:  # after the first step, when the optimizer state exists
+                    memory = par.memory_per_rank(model, optimizer)
                 spikes.accept([loss_value, grad_norm])
                 # max/mean tokens per expert, worst layer: 1.0 is perfect balance.
                 moe_load = max((s["max_over_mean"] for s in model.update_moe_bias()), default=None)
@@ -323,12 +360,13 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                     moe.tokens_per_expert.zero_()
             optimizer.zero_grad(set_to_none=True)
 
-            telemetry.add_step(step, batch.doc_ids, doc_loss.float().tolist(),
-                               None if doc_norm is None else doc_norm.float().tolist(),
-                               doc_tokens.tolist(), reason)
-            tokens_seen += batch.n_tokens
+            if local.has_documents:
+                telemetry.add_step(step, batch.doc_ids, doc_loss.float().tolist(),
+                                   None if doc_norm is None else doc_norm.float().tolist(),
+                                   doc_tokens.tolist(), reason)
+            tokens_seen += local.global_tokens
             record = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-                      "tokens": batch.n_tokens, "skipped": reason}
+                      "tokens": local.global_tokens, "skipped": reason}
             if moe_load is not None:
                 record["moe_max_over_mean"] = moe_load
             history.append(record)
@@ -341,8 +379,11 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
             if step % params.checkpoint_every == 0 or step == params.steps:
                 checkpoint_now(step)
 
+    loop_seconds = time.perf_counter() - t0
     metrics = {
         "steps": params.steps,
+        # This process's step loop (a resume: only the steps it ran), for throughput figures.
+        "loop_seconds": loop_seconds, "loop_tokens": tokens_seen,
         "final_loss": history[-1]["loss"] if history else None,
         # The mean of the last 10 steps: one batch's loss is a noisy summary.
         "final_loss_mean10": float(np.mean([h["loss"] for h in history[-10:]])) if history else None,
@@ -350,14 +391,16 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         **evaluate(model, held_rows, params, dev),
         "train_rows": len(train_rows), "train_tokens": train_rows.n_tokens,
         "val_rows": len(held_rows), "vocab_size": tokenizer.get_vocab_size(),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": sum(p.numel() for p in model.parameters()),  # a DTensor's numel is global
         "precision": params.precision, "attention": params.model.attention, "ffn": params.model.ffn,
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,
     }
     if model.moe_layers():
         metrics["moe_bias_abs_max"] = max(float(m.expert_bias.abs().max()) for m in model.moe_layers())
-    atomic_write_json(out / METRICS_FILE, metrics)
+    metrics["parallel"] = par.describe()
+    metrics["memory_per_rank"] = memory  # bytes of parameters, gradients and optimizer state
+    world.on_main(lambda: atomic_write_json(out / METRICS_FILE, metrics))
     return TrainResult(str(out), params.steps, start or None, metrics)
 
 

@@ -7,12 +7,13 @@ in Python; `ingest_jsonl_lines` applies it to every line and is the reference.
 
 The default reader (`ingest_jsonl_blocks`) gets the same output faster: it
 reads blocks, splits them at newlines, and hands the lines that can only be
-plain JSON objects to `pyarrow.json` in one call. A block that Arrow rejects
-is split at the row Arrow names (or halved) until the lines it rejects are
-alone; those, and every row whose Arrow value could differ from Python's
-(see `_value_flags`), go through `parse_line`. Arrow infers types per call,
-so each parsed piece is converted to the document schema on its own and a
-field's type may change from one piece to the next.
+plain JSON objects to `pyarrow.json` in one call (on worker threads, while
+the reading thread writes the blocks before them: `jsonl_threads`). A
+block that Arrow rejects is split at the row Arrow names (or halved) until the
+lines it rejects are alone; those, and every row whose Arrow value could
+differ from Python's (see `_value_flags`), go through `parse_line`. Arrow
+infers types per call, so each parsed piece is converted to the document
+schema on its own and a field's type may change from one piece to the next.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import gzip
 import json
 import re
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +64,11 @@ PY_WHITESPACE = (
 #: Pieces of at most this many lines that Arrow rejects go to Python whole,
 #: which bounds the Arrow calls a very dirty block costs.
 SMALL_PIECE = 16
+#: A rest of a rejected piece longer than this is retried in two halves.
+HALVE_LINES = 1024
+#: Blocks prepared ahead of the writer per worker thread
+#: (`IngestOptions.jsonl_threads`), which bounds memory to a few blocks.
+PREPARE_AHEAD = 2
 
 #: RE2 gives up at the first character outside the class, so this is cheap on text.
 _BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in PY_WHITESPACE) + "]*$"
@@ -294,20 +302,72 @@ def ingest_jsonl(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
 
 
 def ingest_jsonl_blocks(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
+    """Blocks are read here, parsed and classified on `jsonl_threads` worker threads, and written here, in file order.
+
+    Preparing a block is mostly Arrow's C++ code (the JSON parser, compute
+    kernels) and writing is mostly the Parquet encoder; both release the GIL,
+    so with free cores blocks are prepared while earlier ones are written. A
+    read error is raised after the blocks read before it are written, as the
+    line reader keeps the lines before a truncation.
+    """
     label = Path(unit.path).name
     limit = options.max_bytes + LINE_SLACK
     bytes_in, number = 0, 0  # lines so far
-    with open_lines(unit.path) as handle:
-        for block, size in _blocks(handle, options.jsonl_block_bytes, limit):
-            bytes_in += size
-            if block is None:
-                number += 1
-                _quarantine(sink, unit, _too_long(unit, options, label, number))
-                continue
-            lines = _Block(block, number + 1, unit, options, label, limit)
-            number += lines.n
-            lines.prepare().emit(sink)
+    pending: deque[tuple["_Block | LineBad", Future | None]] = deque()
+
+    def emit_oldest() -> None:
+        item, future = pending.popleft()
+        if future is None:
+            _quarantine(sink, unit, item)
+        else:
+            future.result().emit(sink)
+
+    threads = options.jsonl_threads
+    ahead = PREPARE_AHEAD * threads
+    executor = ThreadPoolExecutor(threads, "assay-jsonl") if threads else _OnThisThread()
+    with open_lines(unit.path) as handle, executor as pool:
+        try:
+            try:
+                for block, size in _blocks(handle, options.jsonl_block_bytes, limit):
+                    bytes_in += size
+                    if block is None:
+                        number += 1
+                        pending.append((_too_long(unit, options, label, number), None))
+                    else:
+                        lines = _Block(block, number + 1, unit, options, label, limit)
+                        number += lines.n
+                        pending.append((lines, pool.submit(lines.prepare)))
+                    while len(pending) > ahead:
+                        emit_oldest()
+            except (OSError, EOFError, zlib.error):
+                while pending:  # what was read before the error is kept
+                    emit_oldest()
+                raise
+            while pending:
+                emit_oldest()
+        finally:
+            for _, future in pending:
+                if future is not None:
+                    future.cancel()
     return bytes_in
+
+
+class _OnThisThread:
+    """An executor that runs each task when it is submitted (`jsonl_threads: 0`)."""
+
+    def __enter__(self) -> "_OnThisThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # raised where the result is read, as from a pool
+            future.set_exception(exc)
+        return future
 
 
 class _Block:
@@ -353,7 +413,10 @@ class _Block:
                 at = np.flatnonzero(a == byte[0])
                 python[np.searchsorted(self.ends, at, side="right")] = True
         if not _is_utf8(self.data):  # Arrow does not check; `decode` may still read a legacy encoding
-            for i in np.flatnonzero(~python & ~too_long):
+            # Only a line with a byte >= 0x80 can be invalid (JSON writers often escape everything else).
+            suspect = np.zeros(self.n, bool)
+            suspect[np.searchsorted(self.ends, np.flatnonzero(a >= 0x80), side="right")] = True
+            for i in np.flatnonzero(suspect & ~python & ~too_long):
                 try:
                     self.line(i).decode("utf-8")
                 except UnicodeDecodeError:
@@ -384,9 +447,13 @@ class _Block:
                     # A field whose type changes is valid JSON: split there, both halves to Arrow.
                     work.extend((piece[:row], piece[row:]))
                 elif 0 <= row < len(piece):
-                    # The named row goes to Python; the rows around it are retried.
+                    # The named row goes to Python; the rows before it parse, and a
+                    # long rest is retried in halves, so many bad lines in a block of
+                    # short lines cost a few re-parses of it, not one per bad line.
                     self.python.append(int(piece[row]))
-                    work.extend(p for p in (piece[:row], piece[row + 1:]) if len(p))
+                    rest = piece[row + 1:]
+                    half = len(rest) // 2 if len(rest) > HALVE_LINES else len(rest)
+                    work.extend(p for p in (piece[:row], rest[:half], rest[half:]) if len(p))
                 else:
                     half = len(piece) // 2
                     work.extend((piece[:half], piece[half:]))
@@ -407,6 +474,8 @@ class _Block:
             buffer = b"".join(self.data[s:e] for s, e in zip(self.starts[lines].tolist(), self.ends[lines].tolist()))
         if not buffer.endswith(b"\n"):
             buffer = bytes(buffer) + b"\n"  # never in place: the block is a bytearray
+        # One chunk on the calling thread: blocks are already parsed in
+        # parallel, and Arrow's chunked parse cost about 10% more CPU here.
         read_options = pa_json.ReadOptions(use_threads=False, block_size=len(buffer) + 1)
         table = pa_json.read_json(pa.BufferReader(buffer), read_options=read_options)
         if _has_timestamp(table.schema):

@@ -72,17 +72,24 @@ class IngestOptions:
     #: rejects or may read differently; "lines": every line in Python (the
     #: reference). Both give the same documents and quarantine.
     jsonl_parser: str = "arrow"
-    #: Bytes of JSON lines per Arrow call. 1, 4 and 16 MiB timed alike on
-    #: clean input; a bad line costs a re-parse of the rest of its block, and on
-    #: a file with 1% bad lines 1 MiB was about 10% faster than 4 MiB (256 KiB:
-    #: slower, more calls). Measured on bench/ingest.py's files.
-    jsonl_block_bytes: int = 2**20
+    #: Bytes of JSON lines per block (one Arrow call, one kind/lang batch).
+    #: Every block costs a few dozen Arrow kernel calls: on 300 MB of
+    #: bench/ingest.py's file, 4 MiB took 2.1 CPU s against 2.6-2.9 for 1 MiB
+    #: (8 MiB: as 4), and with 1% bad lines 2.6-2.9 against 2.8-3.2.
+    jsonl_block_bytes: int = 4 * 2**20
+    #: Worker threads that parse, check and classify JSONL blocks while the
+    #: reading thread writes the ones before; 0 does everything on the reading
+    #: thread. Threads pay only where cores are free: on the shared 2-core
+    #: machine (load ~13) 2 and 0 timed alike (19.8 vs 19.4 s, 6.6 vs 6.4 CPU s).
+    jsonl_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.jsonl_parser not in JSONL_PARSERS:
             raise AssayError(f"ingest: jsonl_parser must be one of {', '.join(JSONL_PARSERS)}, not {self.jsonl_parser!r}")
         if self.jsonl_block_bytes < 1:
             raise AssayError(f"ingest: jsonl_block_bytes must be positive, not {self.jsonl_block_bytes}")
+        if self.jsonl_threads < 0:
+            raise AssayError(f"ingest: jsonl_threads must be 0 or more, not {self.jsonl_threads}")
 
 
 def unit_key(index: int, unit: Unit) -> str:

@@ -3,7 +3,9 @@
 `features` (hashed word counts), `head` (the logistic head and its files),
 `metrics` (AUC, precision/recall, calibration), `train` (`assay quality
 train`: the reference recipe or a labelled file, optionally fine-tuning the
-encoder), `scorer` (documents → `quality` in [0, 1], for the static stage)
-and `pool` (the demo's labelled pool: labels by provenance, the
-negatives/dev/measured split, tier 1's measurement).
+encoder), `calibration` (Platt scaling of the head on the pool's dev part),
+`scorer` (documents → `quality` in [0, 1], for the static stage), `pool`
+(the demo's labelled pool: labels by provenance, the negatives/dev/measured
+split, tier 1's measurement) and `fresh` (a second labelled set of other
+files of the machine, for reporting only).
 """

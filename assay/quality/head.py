@@ -7,7 +7,7 @@ on the pooler output) or hashed word counts (`assay.quality.features`, a
 sparse input). Files under the head directory:
 
     head.safetensors   weight (1, dim), bias (1,)
-    config.json        features, the encoder it expects, threshold, recipe, metrics
+    config.json        features, the encoder it expects, threshold, recipe, metrics, calibration
     encoder/           only after --finetune: the fine-tuned encoder
 """
 
@@ -45,6 +45,10 @@ class LinearHead(nn.Module):
         with torch.inference_mode():
             return torch.sigmoid(self(_as_tensor(features))).numpy()
 
+    def logits(self, features: np.ndarray | torch.Tensor) -> np.ndarray:
+        with torch.inference_mode():
+            return self(_as_tensor(features)).numpy().astype(np.float64)
+
 
 def _as_tensor(features: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(features, torch.Tensor):
@@ -63,6 +67,9 @@ class HeadConfig:
     training: dict[str, Any] = field(default_factory=dict)
     #: "embedding" (the encoder's vector, dim = its size) or "words" (hashed word counts, dim buckets).
     features: str = "embedding"
+    #: Platt scaling of the logit (`assay.quality.calibration`), fitted on labelled documents the head
+    #: was not trained on; None: the score is the head's raw probability.
+    calibration: dict[str, Any] | None = None
 
 
 def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:

@@ -25,16 +25,18 @@ from), written down here before any score of tier 1 was computed on the pool:
 **Split.** A hash of the document id (and `quality.seed`) cuts the pool in
 three: the head's negatives may only come from the first part
 (`quality.negatives_share`); the next part (`quality.dev_share`) is for
-choosing settings (the words head's L2 penalty, `static.threshold`); tier 1
-is measured on the rest, so no document the head was trained on, or that a
-setting was chosen on, is counted.
+choosing settings (the words head's L2 penalty, the per-source rule choice,
+`static.threshold`) and for the head's Platt scaling; tier 1 is measured on
+the rest, so no document the head was trained or calibrated on, or that a
+setting was chosen on, is counted. `assay.quality.fresh` is a second,
+fresh labelled set of other files, for reporting only.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ import pyarrow as pa
 
 from assay.config import Params
 from assay.encoder import Encoder
-from assay.quality.metrics import roc_auc
+from assay.quality.metrics import calibration_table, expected_calibration_error, roc_auc
 from assay.quality.scorer import Scorer
 from assay.schema import KIND_TEXT
 from assay.shards import iter_batches, require_dataset
@@ -73,9 +75,14 @@ MIN_GOOD_CHARS = 1000
 
 def pool_labels(sources: Iterable[str], lengths: Iterable[int]) -> np.ndarray:
     """GOOD / JUNK / UNLABELLED per document (sources outside the pool: UNLABELLED)."""
+    return labels_by_source(sources, lengths, POOL_LABELS)
+
+
+def labels_by_source(sources: Iterable[str], lengths: Iterable[int], source_labels: Mapping[str, int]) -> np.ndarray:
+    """Each document's label from its source, good ones shorter than MIN_GOOD_CHARS left unlabelled."""
     out = []
     for source, length in zip(sources, lengths):
-        label = POOL_LABELS.get(source, UNLABELLED)
+        label = source_labels.get(source, UNLABELLED)
         if label == GOOD and length < MIN_GOOD_CHARS:
             label = UNLABELLED
         out.append(label)
@@ -147,8 +154,9 @@ def read_pool(data: str | Path, params: Params, part: str = MEASURED) -> dict[st
     return out
 
 
-def measure_tier1(docs: dict[str, list], params: Params, encoder: Encoder, scorer: Scorer) -> dict[str, Any]:
-    """Tier 1 on `docs` (see `read_pool`), measured against the provenance labels.
+def measure_tier1(docs: dict[str, list], params: Params, encoder: Encoder | None, scorer: Scorer,
+                  source_labels: Mapping[str, int] = POOL_LABELS) -> dict[str, Any]:
+    """Tier 1 on `docs` (see `read_pool`), measured against the provenance labels of `source_labels`.
 
     The heuristics run as the static stage runs them (`apply_by_source`); the
     head scores every document, survivors or not, so its AUC is the head's
@@ -159,7 +167,7 @@ def measure_tier1(docs: dict[str, list], params: Params, encoder: Encoder, score
     text_rows = [i for i, kind in enumerate(docs["kind"]) if kind == KIND_TEXT]
     texts = [docs["text"][i] for i in text_rows]
     sources = [docs["source"][i] for i in text_rows]
-    labels = pool_labels(sources, [len(t) for t in texts])
+    labels = labels_by_source(sources, [len(t) for t in texts], source_labels)
     batch = pa.record_batch({
         "id": pa.array([docs["id"][i] for i in text_rows], pa.string()),
         "text": pa.array(texts, pa.large_string()),
@@ -182,7 +190,7 @@ def measure_tier1(docs: dict[str, list], params: Params, encoder: Encoder, score
         rows = np.array([s == source for s in sources])
         reasons = Counter(r for r, on in zip(chain.reason, rows) if on and r)
         per_source[source] = {
-            "label": {GOOD: "good", JUNK: "junk"}.get(POOL_LABELS.get(source, UNLABELLED), "unlabelled"),
+            "label": {GOOD: "good", JUNK: "junk"}.get(source_labels.get(source, UNLABELLED), "unlabelled"),
             "n": int(rows.sum()),
             "labelled": int((rows & labelled).sum()),
             "heuristics_keep": float(chain.keep[rows].mean()),
@@ -206,6 +214,7 @@ def measure_tier1(docs: dict[str, list], params: Params, encoder: Encoder, score
         "filters_alone": {name: keep_rates(labels, keep) for name, keep in alone.items()},
         "gopher_chain": keep_rates(labels, gopher_chain) if gopher_chain is not None else None,
         "head": {**keep_rates(labels, head_keep), "auc": roc_auc(good, quality[labelled]),
+                 "ece": expected_calibration_error(calibration_table(good, quality[labelled])),
                  "score_p10_p50_p90": quantiles,
                  "auc_on_heuristic_survivors": roc_auc(labels[labelled & chain.keep] == GOOD,
                                                        quality[labelled & chain.keep])},

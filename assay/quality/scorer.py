@@ -22,6 +22,7 @@ from assay.config import FEATURES_WORDS, EncoderParams, ScoreParams, StaticParam
 from assay.devices import pick_device
 from assay.encoder import CHARS_PER_TOKEN_BOUND, length_sorted_batches, use_bf16
 from assay.errors import AssayError
+from assay.quality.calibration import Platt
 from assay.quality.features import hashed_words
 from assay.quality.head import FINETUNED_ENCODER, load_head
 
@@ -33,8 +34,12 @@ class Scorer(Protocol):
 
 
 class HeadScorer:
-    def __init__(self, directory: str | Path):
+    """The head's probability, Platt-calibrated when the head carries a calibration
+    (`calibrated=False`: the raw probability, for comparisons)."""
+
+    def __init__(self, directory: str | Path, calibrated: bool = True):
         self.head, self.config = load_head(directory)
+        self.calibration = Platt.from_dict(self.config.calibration) if calibrated and self.config.calibration else None
         self.name = f"head:{directory}"
 
     @property
@@ -42,9 +47,11 @@ class HeadScorer:
         return self.config.features != FEATURES_WORDS
 
     def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
-        if self.config.features == FEATURES_WORDS:
-            return self.head.probabilities(hashed_words(texts, self.config.dim)).astype(np.float64)
-        return self.head.probabilities(embeddings).astype(np.float64)
+        features = hashed_words(texts, self.config.dim) if self.config.features == FEATURES_WORDS else embeddings
+        logits = self.head.logits(features)
+        if self.calibration is not None:
+            return self.calibration(logits)
+        return 1.0 / (1.0 + np.exp(-logits))
 
 
 def map_scores(logits: torch.Tensor, params: ScoreParams) -> np.ndarray:

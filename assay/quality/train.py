@@ -8,6 +8,11 @@ Two ways to get labels:
   rest of the pool is never trained on and tier 1 can be measured on it. On
   the demo corpus the reference is the Python reference topics and the man
   pages; the negatives come from the pool of installed software's files.
+  The head's logit is then Platt-scaled (`quality.calibration`) on the
+  pool's dev part, whose labels are by provenance (`assay.quality.pool`), so
+  `quality` is a probability of good prose and `static.threshold` a
+  probability cut; corpora without the pool's labelled sources get no
+  calibration (the raw probability is the score).
 - a labelled file (.jsonl, .csv or .parquet) with `label` and either `text`
   or `id` (ids are looked up in --data).
 """
@@ -34,7 +39,8 @@ from assay.errors import AssayError
 from assay.quality.features import hashed_words
 from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
-from assay.quality.pool import in_negatives_part
+from assay.quality.calibration import fit_platt
+from assay.quality.pool import DEV, GOOD, UNLABELLED, in_negatives_part, pool_labels, pool_parts
 from assay.schema import KIND_TEXT
 from assay.shards import iter_batches, require_dataset
 
@@ -48,6 +54,9 @@ class Examples:
     texts: list[str]
     labels: np.ndarray  # bool
     ids: list[str]
+    #: Labelled documents the head is not trained on, for Platt scaling (the reference recipe: the
+    #: pool's dev part, labels by provenance); None: no calibration.
+    calibration: "Examples | None" = None
 
 
 def reference_examples(data: str | Path, params: Params) -> Examples:
@@ -58,12 +67,19 @@ def reference_examples(data: str | Path, params: Params) -> Examples:
     rng = random.Random(q.seed)
     positives: list[tuple[str, str]] = []
     negatives: list[tuple[str, str]] = []
+    dev: list[tuple[str, str, bool]] = []
     seen_neg = 0
     for batch in iter_batches(data, columns=["id", "text", "kind", "source"]):
         batch = batch.filter(pc.equal(batch.column("kind"), KIND_TEXT))
         is_ref = pc.is_in(batch.column("source"), value_set=reference).to_numpy(zero_copy_only=False)
         ids, texts = batch.column("id").to_pylist(), batch.column("text").to_pylist()
         may_be_negative = in_negatives_part(ids, q.negatives_share, q.seed)
+        if q.negatives_share + q.dev_share <= 1.0:  # else there is no dev part to calibrate on
+            parts = pool_parts(ids, q.negatives_share, q.dev_share, q.seed)
+            labels = pool_labels(batch.column("source").to_pylist(), [len(t) for t in texts])
+            for i in np.flatnonzero((parts == DEV) & (labels != UNLABELLED) & ~is_ref).tolist():
+                if len(dev) < 2 * MAX_PER_CLASS:
+                    dev.append((ids[i], texts[i], bool(labels[i] == GOOD)))
         for i, flag in enumerate(is_ref):
             if flag:
                 if len(positives) < MAX_PER_CLASS:
@@ -87,7 +103,10 @@ def reference_examples(data: str | Path, params: Params) -> Examples:
     wanted = max(1, round(len(positives) * q.negatives_per_positive))
     negatives = sorted(negatives) if len(negatives) <= wanted else sorted(rng.sample(negatives, wanted))
     rows = [(i, t, True) for i, t in positives] + [(i, t, False) for i, t in negatives]
-    return Examples([r[1] for r in rows], np.array([r[2] for r in rows]), [r[0] for r in rows])
+    dev_labels = np.array([r[2] for r in dev], dtype=bool)
+    calibration = (Examples([r[1] for r in dev], dev_labels, [r[0] for r in dev])
+                   if dev_labels.any() and not dev_labels.all() else None)
+    return Examples([r[1] for r in rows], np.array([r[2] for r in rows]), [r[0] for r in rows], calibration)
 
 
 def _read_table(path: Path) -> pa.Table:
@@ -185,7 +204,8 @@ def train_head(
         train_x, test_x = embeddings[train_rows], embeddings[test_rows]
         head = fit_logistic(train_x, examples.labels[train_rows], l2=q.l2)
         dim, bf16, l2 = encoder.dim, encoder.bf16, q.l2
-    report: dict[str, Any] = {"head": evaluate(examples.labels[test_rows], head.probabilities(test_x), threshold)}
+    report: dict[str, Any] = {"head": {**evaluate(examples.labels[test_rows], head.probabilities(test_x), threshold),
+                                       "scale": "raw"}}
     if finetune:
         from assay.quality.finetune import finetune_encoder
 
@@ -195,8 +215,33 @@ def train_head(
         encoder.model.save_pretrained(out_encoder)
         encoder.tokenizer.save_pretrained(out_encoder)
         test_embeddings = encoder.encode([examples.texts[i] for i in test_rows])
-        report["finetuned"] = evaluate(examples.labels[test_rows], head.probabilities(test_embeddings), threshold)
+        report["finetuned"] = {**evaluate(examples.labels[test_rows], head.probabilities(test_embeddings), threshold),
+                               "scale": "raw"}
+        test_x = test_embeddings
         encoder_params["model"] = FINETUNED_ENCODER
+    calibration = None
+    if q.calibration:
+        if examples.calibration is not None:
+            cal = examples.calibration
+            cal_x = hashed_words(cal.texts, q.hash_dim) if q.features == FEATURES_WORDS else encoder.encode(cal.texts)
+            cal_logits, cal_labels = head.logits(cal_x), cal.labels
+            fitted_on = "the pool's dev part (labels by provenance)"
+        else:
+            # No dev part (a labels file, or a corpus without the demo's pool): calibrate on the
+            # head's own held-out split rather than leave a raw score that static.threshold,
+            # a calibrated cut, would misread. Its held-out ECE is then not independent.
+            cal_logits, cal_labels = head.logits(test_x), examples.labels[test_rows]
+            fitted_on = "the head's held-out split (no dev part; its ECE below is not independent)"
+        try:
+            platt = fit_platt(cal_logits, cal_labels)
+            calibration = platt.to_dict()
+            report["calibration"] = {**calibration, "fitted_on": fitted_on}
+            # The held-out numbers on the scale the stage scores with (static.threshold is a calibrated cut).
+            key = "finetuned" if finetune else "head"
+            report[key] = {**evaluate(examples.labels[test_rows], platt(head.logits(test_x)), threshold),
+                           "scale": "calibrated"}
+        except ValueError as exc:  # e.g. a dev part too small to rank its classes: the score stays raw
+            report["calibration"] = {"skipped": str(exc)}
     final = report["finetuned" if finetune else "head"]
     config = HeadConfig(
         encoder=encoder_params,
@@ -217,6 +262,7 @@ def train_head(
             "bf16": bf16,
         },
         features=q.features,
+        calibration=calibration,
     )
     save_head(out, head, config)
     return {**report, "training": config.training, "out": str(out), "recipe": recipe}

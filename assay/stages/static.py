@@ -5,8 +5,10 @@ A cascade, per record batch:
    filters (`static.source_rules`; every filter for sources not listed);
 2. every survivor, text or code, is embedded once by the shared encoder and
    its vector is stored (`embeddings/`) for dedup and the knowledge graph;
-3. text survivors get `quality` = P(high quality); a text row is kept when
-   `quality >= static.threshold`. Code passes to tier 3 with a null quality.
+3. text survivors get `quality`, the head's probability of good prose
+   (Platt-calibrated on the demo pool's dev part when the head was trained
+   by the reference recipe, `assay.quality.calibration`); a text row is kept
+   when `quality >= static.threshold`. Code passes to tier 3 with a null quality.
 Every input row gets a decision: the heuristic's reason and scores, or
 `quality:below_threshold` with its score, or kept with its scores.
 """

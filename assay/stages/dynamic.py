@@ -1,0 +1,143 @@
+"""Tier 2 as a stage: the scoring pass and round 0's telemetry decide the next version.
+
+The verdicts need the whole corpus at once (outliers are judged within
+strata of every scored document), so they are computed once per run
+(`verdicts`), from inputs that are small: one row per document and
+checkpoint, and one per document and step. Then one task per input shard
+writes its kept documents and a decision for every document, as every stage
+does (assay.staging). A document that neither input mentions is kept, with
+the detail "not scored": tier 2 has nothing to say about it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from assay.config import DynamicParams, Params
+from assay.errors import AssayError
+from assay.schema import DECISION_SCHEMA, TELEMETRY_SCHEMA
+from assay.shards import MANIFEST
+from assay.stages.shard_stage import scores_column, with_score_column
+from assay.staging import UnitResult, UnitWriter, finished_unit
+from filters.dynamic import build_dynamic_filters, judge, signals_for
+
+STAGE = "dynamic"
+#: The score column the stage appends to the documents it keeps.
+ALIGNMENT = "alignment"
+TELEMETRY_DIR = "telemetry"
+NOT_SCORED = "not scored"
+REFERENCE = "reference set: never judged"
+
+
+def _score_parts(scores_dir: str | Path) -> list[Path]:
+    """The parts a finished scoring pass lists in its manifest (an unfinished one has none)."""
+    scores_dir = Path(scores_dir)
+    manifest = scores_dir / MANIFEST
+    if not manifest.is_file():
+        raise AssayError(f"{scores_dir}: no finished scores ({MANIFEST} missing); run `assay score` first")
+    try:
+        names = json.loads(manifest.read_text())["shards"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise AssayError(f"{manifest}: not a scoring pass's manifest (no shards list)") from None
+    missing = [n for n in names if not (scores_dir / n).is_file()]
+    if missing or not names:
+        raise AssayError(f"{scores_dir}: {len(missing)} of {len(names)} score part(s) missing; rerun `assay score`")
+    return [scores_dir / n for n in names]
+
+
+def _telemetry_parts(run_dir: str | Path) -> list[Path]:
+    parts = sorted((Path(run_dir) / TELEMETRY_DIR).glob("part-*.parquet"))
+    if not parts:
+        raise AssayError(f"{run_dir}: no telemetry ({TELEMETRY_DIR}/part-*.parquet); is it a training run?")
+    return parts
+
+
+def require_signals(scores_dir: str | Path, run_dir: str | Path) -> None:
+    """Fail with a clear message, before any work, when the scores or the telemetry are missing."""
+    _score_parts(scores_dir)
+    _telemetry_parts(run_dir)
+
+
+def read_scores(scores_dir: str | Path) -> pa.Table:
+    """The scoring pass's rows (`assay score`'s output); a clear error when there are none."""
+    return pa.concat_tables([pq.read_table(p) for p in _score_parts(scores_dir)], promote_options="default")
+
+
+def read_run_telemetry(run_dir: str | Path) -> pa.Table:
+    """A training run's telemetry; a clear error when the run has none."""
+    return pa.concat_tables([pq.read_table(p, schema=TELEMETRY_SCHEMA) for p in _telemetry_parts(run_dir)])
+
+
+def verdicts(scores: pa.Table, telemetry: pa.Table | None, params: DynamicParams) -> pa.Table:
+    """One row per document either input mentions: id, kept, reason, scores (map), detail, alignment."""
+    try:
+        signals = signals_for(scores, telemetry, params)
+    except ValueError as exc:  # a scores or telemetry table off its contract
+        raise AssayError(str(exc)) from None
+    result = judge(signals, build_dynamic_filters(params))
+    n = signals.num_rows
+    reference = np.asarray(signals.column("reference").to_numpy(zero_copy_only=False), dtype=bool)
+    skipped = np.asarray(signals.column("skipped_draws").to_numpy(zero_copy_only=False))
+    detail: list[str | None] = [None] * n
+    for i in np.flatnonzero(reference):
+        detail[i] = REFERENCE
+    for i in np.flatnonzero(result.keep & ~reference & (skipped > 0)):
+        detail[i] = f"in {int(skipped[i])} skipped step(s); the step stood out, not the document"
+    return pa.table({
+        "id": signals.column("id"),
+        "kept": pa.array(result.keep),
+        "reason": pa.array(result.reason, pa.string()),
+        "scores": scores_column(result.scores, n),
+        "detail": pa.array(detail, pa.string()),
+        ALIGNMENT: signals.column("alignment"),
+    })
+
+
+def dynamic_unit(index: int, shard: str, out_dir: str, params: Params, key: str, judged: pa.Table,
+                 progress: Callable[[int], None] | None = None) -> UnitResult:
+    """Write one input shard's kept documents and every document's decision (resumable)."""
+    done = finished_unit(out_dir, key)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    parquet = pq.ParquetFile(shard)
+    schema = with_score_column(parquet.schema_arrow, ALIGNMENT)
+    table = {name: judged.column(name).combine_chunks() for name in judged.column_names}
+    writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
+    try:
+        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+            n = batch.num_rows
+            where = pc.index_in(batch.column("id"), value_set=table["id"])
+            found = np.asarray(pc.is_valid(where).to_numpy(zero_copy_only=False), dtype=bool)
+            rows = pc.fill_null(where, 0)
+            kept = np.where(found, table["kept"].take(rows).to_numpy(zero_copy_only=False), True).astype(bool)
+            reason = pc.if_else(pa.array(found), table["reason"].take(rows), pa.nulls(n, pa.string()))
+            scores = pc.if_else(pa.array(found), table["scores"].take(rows),
+                                pa.nulls(n, DECISION_SCHEMA.field("scores").type))
+            detail = pc.if_else(pa.array(found), table["detail"].take(rows),
+                                pa.array([NOT_SCORED] * n, pa.string()))
+            alignment = pc.if_else(pa.array(found), table[ALIGNMENT].take(rows), pa.nulls(n, pa.float64()))
+            out = batch if ALIGNMENT in batch.schema.names else batch.append_column(ALIGNMENT, alignment)
+            writer.docs.write(out.filter(pa.array(kept)))
+            writer.decisions.write(pa.RecordBatch.from_arrays(
+                [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(kept), reason, scores, detail],
+                schema=DECISION_SCHEMA))
+            writer.counts["input"] += n
+            writer.counts["kept"] += int(kept.sum())
+            writer.counts["not_scored"] += int((~found).sum())
+            for r in reason.drop_null().to_pylist():
+                writer.counts[f"drop:{r}"] += 1
+            if progress:
+                progress(n)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(bytes_in=Path(shard).stat().st_size, seconds=time.perf_counter() - started)

@@ -1,0 +1,402 @@
+"""Gradient alignment (training.alignment) against autograd, and the scoring pass (training.score, `assay score`)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from assay.config import ScoringParams, TrainModelParams, TrainParams, TrainTelemetryParams
+from assay.errors import AssayError
+from assay.schema import DOCUMENT_SCHEMA, SCORE_SCHEMA, document_id
+from assay.shards import ShardWriter
+from assay.versions import open_version
+from training.alignment import References, per_document_alignment, per_document_alignment_reference
+from training.data import build_rows, make_batch
+from training.grad_norms import token_losses
+from training.model import ModelArgs, Transformer
+
+BIN = Path(sys.executable).parent
+ASSAY = shutil.which("assay", path=str(BIN)) or "assay"
+
+VOCAB, B, N, N_DOCS = 50, 5, 16, 3
+DOC_INDEX = torch.tensor([0, 1, 2, 0, 2])  # document 0 spans rows 0 and 3, document 2 rows 2 and 4
+VARIANTS = {
+    "dense": {},
+    "moe": {"ffn": "moe", "n_experts": 4, "moe_topk": 2},
+    "sparse": {"attention": "sparse", "sparse_window": 4, "sparse_block": 4, "sparse_topk": 2},
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ alignment vs autograd
+def build(dtype=torch.float32, **kw) -> Transformer:
+    args = {"vocab_size": VOCAB, "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_hidden": 64, "max_seq_len": 32}
+    model = Transformer(ModelArgs(**{**args, **kw}))
+    model.init_weights(0)
+    return model.to(dtype)
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (B, N), generator=g)
+    targets = torch.randint(0, VOCAB, (B, N), generator=g)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, 12:] = False
+    mask[3, 10:] = False
+    mask[4, :3] = False
+    targets[~mask] = -1
+    return tokens, targets, mask
+
+
+def real_gradient(model: Transformer, seed: int) -> dict[str, torch.Tensor]:
+    """The mean-loss gradient of another batch: a reference with a real direction."""
+    twin = copy.deepcopy(model)
+    tokens, targets, mask = batch(seed)
+    token_losses(twin(tokens), targets, mask).sum().div(mask.sum()).backward()
+    return {n: p.grad.detach().clone() for n, p in twin.named_parameters()}
+
+
+def random_gradient(model: Transformer, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["ghost", "materialise"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dot_and_cosine_match_autograd_of_each_documents_own_loss(variant, method, dtype):
+    model = build(dtype, **VARIANTS[variant])
+    tokens, targets, mask = batch()
+    refs = [real_gradient(model, 1), random_gradient(model, 2)]
+    doc_reference = torch.tensor([0, 1, 0])  # two strata in one batch
+    oracle = per_document_alignment_reference(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference)
+    stats = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference,
+                                   method=method, weight_grads=False)
+    assert all(p.grad is None for p in model.parameters())  # weight_grads=False leaves .grad alone
+    torch.testing.assert_close(stats.loss, oracle.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(stats.grad_norm, oracle.grad_norm, rtol=1e-5, atol=0)
+    # A dot product is accurate relative to ||grad L_d|| ||G||, the scale of its terms.
+    scale = oracle.grad_norm * torch.stack([References(refs).norms[k] for k in doc_reference.tolist()])
+    assert ((stats.grad_dot - oracle.grad_dot).abs() <= 1e-5 * scale).all(), (stats.grad_dot, oracle.grad_dot)
+    torch.testing.assert_close(stats.alignment, oracle.alignment, rtol=0, atol=1e-5)
+    # Against a real gradient the dot is far from 0, so it also holds to 1e-5 relative.
+    real = doc_reference == 0
+    torch.testing.assert_close(stats.grad_dot[real], oracle.grad_dot[real], rtol=1e-5, atol=0)
+    assert oracle.alignment[real].abs().min() > 1e-3
+
+
+def test_alignment_leaves_grad_as_a_plain_backward():
+    model = build(torch.float64)
+    twin = copy.deepcopy(model)
+    tokens, targets, mask = batch()
+    token_losses(twin(tokens), targets, mask).sum().div(mask.sum()).backward()
+    per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, [random_gradient(model, 3)])
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def test_each_parameter_alone():
+    """Zero the reference everywhere but one parameter: every layer kind's formula on its own."""
+    model = build(torch.float64, **VARIANTS["moe"])
+    tokens, targets, mask = batch()
+    full = random_gradient(model, 4)
+    for name in full:
+        one = {n: t if n == name else torch.zeros_like(t) for n, t in full.items()}
+        got = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, [one], weight_grads=False)
+        want = per_document_alignment_reference(model, tokens, targets, mask, DOC_INDEX, N_DOCS, [one])
+        scale = want.grad_norm * References([one]).norms[0]
+        assert ((got.grad_dot - want.grad_dot).abs() <= 1e-6 * scale).all(), name
+
+
+def test_reference_must_cover_every_parameter():
+    model = build()
+    tokens, targets, mask = batch()
+    ref = random_gradient(model, 0)
+    ref.pop("output.weight")
+    with pytest.raises(ValueError, match="output.weight"):
+        per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, [ref])
+
+
+# ------------------------------------------------------------------ the scoring pass
+TINY = TrainModelParams(dim=32, n_layers=2, n_heads=2, ffn_hidden=64)
+
+
+def tiny_train_params(**overrides) -> TrainParams:
+    base = dict(model=TINY, vocab_size=320, seq_len=32, batch_size=4, steps=10, lr=1e-2, warmup_steps=2,
+                checkpoint_every=5, holdout=0.0, eval_rows=16, device="cpu",
+                telemetry=TrainTelemetryParams(spike_min_history=20))
+    base.update(overrides)
+    return TrainParams(**base)
+
+
+def score_params(**overrides) -> ScoringParams:
+    base = dict(reference={"man": 1.0, "python-stdlib": 0.3}, min_stratum_docs=3, max_rows=3,
+                batch_tokens=256, part_docs=16, device="cpu")
+    base.update(overrides)
+    return ScoringParams(**base)
+
+
+def corpus_rows() -> list[tuple[str, str, str, str, str]]:
+    """(source, locator, text, kind, lang): standard-library code, its docstrings as prose, junk, an empty text."""
+    rows = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:24]:
+        src = f.read_text(encoding="utf-8", errors="replace")
+        rows.append(("python-stdlib", f.name, src[:6000], "code", "python"))
+        try:
+            doc = ast.get_docstring(ast.parse(src)) or ""
+        except SyntaxError:
+            doc = ""
+        if len(doc) > 150:
+            rows.append(("man" if len(rows) % 3 else "pypi-description", f.name, doc[:3000], "text", "en"))
+    rng = random.Random(0)
+    for i in range(4):
+        rows.append(("junk", f"junk{i}", "".join(rng.choice("qxzjv ") for _ in range(300)), "text", "en"))
+    rows.append(("junk", "empty", "", "text", "en"))
+    return rows
+
+
+def write_corpus(directory: Path, rows) -> Path:
+    cols = {"id": [document_id(s, loc) for s, loc, *_ in rows], "text": [r[2] for r in rows],
+            "kind": [r[3] for r in rows], "lang": [r[4] for r in rows], "source": [r[0] for r in rows],
+            "path": [r[1] for r in rows], "meta": ["{}"] * len(rows)}
+    with ShardWriter(directory, DOCUMENT_SCHEMA) as writer:
+        writer.write(pa.Table.from_pydict(cols, schema=DOCUMENT_SCHEMA))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from training.trainer import train
+
+    root = tmp_path_factory.mktemp("score")
+    rows = corpus_rows()
+    data = write_corpus(root / "data", rows)
+    torch.set_num_threads(1)
+    train(open_version(data), root / "run", tiny_train_params(), overwrite=True, progress=False)
+    return {"root": root, "data": data, "run": root / "run", "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def scored(tiny):
+    from training.score import read_scores, score_dataset
+
+    out = tiny["root"] / "scores"
+    torch.set_num_threads(1)
+    manifest = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    return {"out": out, "manifest": manifest, "table": read_scores(out)}
+
+
+def test_every_document_with_text_is_scored_once(tiny, scored):
+    table = scored["table"]
+    assert table.schema.equals(SCORE_SCHEMA)
+    ids = [document_id(s, loc) for s, loc, text, *_ in tiny["rows"] if text]
+    assert sorted(table.column("sample_id").to_pylist()) == sorted(ids)  # the empty document has no row
+    assert set(table.column("step").to_pylist()) == {10}
+    m = scored["manifest"]
+    assert m["counts"]["documents"] == len(tiny["rows"]) and m["counts"]["unscored_per_checkpoint"] == 1
+    assert np.isfinite(table.column("alignment").to_numpy()).all()
+    assert (np.abs(table.column("alignment").to_numpy()) <= 1 + 1e-6).all()
+    assert set(table.column("stratum").to_pylist()) == {"text", "code"}
+    rows_scored = table.column("rows").to_numpy()
+    assert rows_scored.max() <= 3 and table.column("capped").to_numpy().any()
+
+
+def test_reference_set_is_explicit_disjoint_and_never_judged(tiny, scored):
+    from training.score import REFERENCE_FILE, select_reference
+
+    out, table = scored["out"], scored["table"]
+    listed = (out / REFERENCE_FILE).read_text().split()
+    marked = [i for i, r in zip(table.column("sample_id").to_pylist(), table.column("reference").to_pylist()) if r]
+    judged = [i for i, r in zip(table.column("sample_id").to_pylist(), table.column("reference").to_pylist()) if not r]
+    assert sorted(listed) == sorted(marked) and listed
+    assert not set(listed) & set(judged)
+    # Exactly the configured sources, by the hash share; junk and other sources are judged.
+    rows = tiny["rows"]
+    ids = [document_id(s, loc) for s, loc, *_ in rows]
+    chosen = select_reference(ids, np.array([r[0] for r in rows], dtype=object), {"man": 1.0, "python-stdlib": 0.3})
+    assert sorted(listed) == sorted(i for i, c in zip(ids, chosen) if c)
+    assert {r[0] for r, c in zip(rows, chosen) if c} == {"man", "python-stdlib"}
+    assert all(r[0] != "man" or c for r, c in zip(rows, chosen))  # share 1.0: every man page
+    n_code = sum(r[0] == "python-stdlib" for r in rows)
+    assert 0 < sum(c for r, c in zip(rows, chosen) if r[0] == "python-stdlib") < n_code
+    m = scored["manifest"]
+    assert m["reference"]["documents"] == len(listed) and m["reference"]["selection"] == {"man": 1.0, "python-stdlib": 0.3}
+
+
+def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored):
+    """End to end: the reference gradient and each document's gradient recomputed by plain
+    autograd from the run's checkpoint, rows built as training builds them."""
+    from training.score import _resolve_checkpoints, load_model
+    from training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny["run"])
+    (ck,) = _resolve_checkpoints(tiny["run"], ["last"])
+    model = load_model(ck.path, ck.state, tok.get_vocab_size(), torch.device("cpu"))
+    table = scored["table"].to_pylist()
+    by_id = {r["sample_id"]: r for r in table}
+    texts = {document_id(s, loc): (text, kind) for s, loc, text, kind, _ in tiny["rows"]}
+
+    def capped_batch(doc_ids):
+        rows = build_rows([(i, texts[i][0]) for i in doc_ids], tok, 32)
+        first = np.concatenate([np.flatnonzero(rows.doc == d)[:3] for d in range(len(rows.doc_ids))])
+        return make_batch(rows, first)
+
+    def flat_grad(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
+
+    refs = {}
+    for kind in ("text", "code"):
+        members = [r["sample_id"] for r in table if r["reference"] and r["kind"] == kind]
+        b = capped_batch(members)
+        refs[kind] = flat_grad(token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum())
+    for doc_id in [r["sample_id"] for r in table if not r["reference"]][:6]:
+        b = capped_batch([doc_id])
+        loss = token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum()
+        g = flat_grad(loss)
+        row = by_id[doc_id]
+        ref = refs[row["stratum"]]
+        assert row["tokens"] == int(b.loss_mask.sum())
+        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert row["grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
+        assert row["alignment"] == pytest.approx(float(g @ ref / (g.norm() * ref.norm())), abs=1e-4)
+
+
+def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):
+    from training.score import read_scores, score_dataset
+
+    out = tmp_path / "scores"
+    shutil.copytree(scored["out"], out)
+    parts = sorted(out.glob("part-*.parquet"))
+    assert len(parts) >= 3
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in parts}
+    victim = parts[1]
+    victim.unlink()
+    manifest = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    assert manifest["counts"]["parts_resumed"] == len(parts) - 1
+    for p in parts:
+        if p != victim:
+            assert p.stat().st_mtime_ns == before[p.name][0], f"{p.name} was rewritten"
+    assert victim.is_file()
+    redone = pq.read_table(victim).to_pylist()
+    original = pq.read_table(pa.BufferReader(before[victim.name][1])).to_pylist()
+    assert [r["sample_id"] for r in redone] == [r["sample_id"] for r in original]
+    for a, b in zip(redone, original):
+        assert a["alignment"] == pytest.approx(b["alignment"], abs=1e-6)
+    assert read_scores(out).num_rows == scored["table"].num_rows
+    # Nothing left to do: the same call returns the manifest without touching a part.
+    stamps = {p: p.stat().st_mtime_ns for p in parts}
+    again = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    assert again == manifest
+    assert {p: p.stat().st_mtime_ns for p in parts} == stamps
+
+
+def test_other_params_need_overwrite_and_bad_inputs_say_why(tiny, scored, tmp_path):
+    from training.score import score_dataset
+
+    out = tmp_path / "scores"
+    shutil.copytree(scored["out"], out)
+    with pytest.raises(AssayError, match="--overwrite"):
+        score_dataset(tiny["run"], tiny["data"], out, score_params(max_rows=2), progress=False)
+    with pytest.raises(AssayError, match="no checkpoint of step 7"):
+        score_dataset(tiny["run"], tiny["data"], tmp_path / "x", score_params(checkpoints=[7]), progress=False)
+    with pytest.raises(AssayError, match="reference sources"):
+        score_dataset(tiny["run"], tiny["data"], tmp_path / "y", score_params(reference={"nowhere": 1.0}),
+                      progress=False)
+    with pytest.raises(AssayError, match="no checkpoint"):
+        score_dataset(tmp_path, tiny["data"], tmp_path / "z", score_params(), progress=False)
+
+
+def test_cli_scores_two_checkpoints_end_to_end(tiny, tmp_path):
+    from training.score import read_scores
+
+    params = {"score": {"reference": {"man": 1.0, "python-stdlib": 0.3}, "min_stratum_docs": 3, "max_rows": 2,
+                        "part_docs": 1000, "device": "cpu"}}
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    out = tmp_path / "scores"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([ASSAY, "--params", str(params_file), "score", "--run", str(tiny["run"]),
+                           "--data", str(tiny["data"]), "--out", str(out), "--checkpoint", "5",
+                           "--checkpoint", "last", "--overwrite", "--json"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = read_scores(out)
+    n_docs = sum(1 for r in tiny["rows"] if r[2])
+    assert sorted(set(table.column("step").to_pylist())) == [5, 10]
+    assert table.num_rows == 2 * n_docs
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["params"]["max_rows"] == 2 and (out / "reference.txt").is_file()
+    # The checkpoints differ, so their scores do.
+    by_step = {s: table.filter(pc.equal(table.column("step"), s)).sort_by("sample_id") for s in (5, 10)}
+    assert not np.allclose(by_step[5].column("loss").to_numpy(), by_step[10].column("loss").to_numpy())
+
+
+def test_reference_model_gives_rho_loss(tiny, tmp_path):
+    """RHO-LOSS: ref_loss is the reference model's mean token loss on the very rows scored."""
+    from training.score import _resolve_checkpoints, load_model, read_scores, score_dataset
+    from training.tokenizer import load_tokenizer
+    from training.trainer import train
+
+    tok = load_tokenizer(tiny["run"])
+    ref_run = tmp_path / "ref-run"
+    train(open_version(tiny["data"]), ref_run, tiny_train_params(steps=5, seed=1), overwrite=True,
+          progress=False, tokenizer=tok)
+    out = tmp_path / "scores"
+    score_dataset(tiny["run"], tiny["data"], out, score_params(reference_model=str(ref_run)), progress=False)
+    table = read_scores(out).to_pylist()
+    (ck,) = _resolve_checkpoints(ref_run, ["last"])
+    ref_model = load_model(ck.path, ck.state, tok.get_vocab_size(), torch.device("cpu"))
+    texts = {document_id(s, loc): text for s, loc, text, *_ in tiny["rows"]}
+    for row in table[:5]:
+        rows = build_rows([(row["sample_id"], texts[row["sample_id"]])], tok, 32)
+        b = make_batch(rows, np.arange(min(len(rows), 3)))
+        with torch.no_grad():
+            want = token_losses(ref_model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum()
+        assert row["ref_loss"] == pytest.approx(want.item(), rel=1e-5)
+        assert row["ref_loss"] != pytest.approx(row["loss"], rel=1e-3)  # another model
+    other = tmp_path / "other-tokenizer"
+    train(open_version(tiny["data"]), other, tiny_train_params(steps=2, vocab_size=300), overwrite=True,
+          progress=False)
+    with pytest.raises(AssayError, match="tokenizer"):
+        score_dataset(tiny["run"], tiny["data"], tmp_path / "s2", score_params(reference_model=str(other)),
+                      progress=False)
+
+
+def test_materialised_weight_gradients_are_reused_chunk_by_chunk(monkeypatch):
+    """The dot taken from the norms' materialised per-document gradients, one document per chunk."""
+    from training import grad_norms
+
+    model = build(torch.float64)
+    tokens, targets, mask = batch()
+    refs = [real_gradient(model, 1), random_gradient(model, 2)]
+    doc_reference = torch.tensor([1, 0, 1])
+    want = per_document_alignment_reference(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference)
+    monkeypatch.setattr(grad_norms, "_CHUNK_ELEMENTS", 1)
+    got = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference,
+                                 method="materialise", weight_grads=False)
+    torch.testing.assert_close(got.alignment, want.alignment, rtol=0, atol=1e-8)

@@ -1,0 +1,78 @@
+"""Data parallelism over the ``dp`` ranks: DDP, ZeRO-1 and FSDP2 (ZeRO-3), applied to a plain model.
+
+- DDP (``dp_replicate``): every rank holds the whole model and optimizer; gradients are
+  all-reduced. Composable ``replicate`` keeps the model object (and its module names)
+  as it is, so the ghost-norm hooks and checkpoint names are unchanged.
+- ZeRO-1 (``zero1: true`` with DDP): ``ZeroRedundancyOptimizer`` keeps each parameter's
+  AdamW moments on one rank only, and broadcasts the updated parameters.
+- FSDP2 (``dp_shard``): ``fully_shard`` on every transformer block and then the root,
+  so a block's parameters are gathered just before it runs and freed after; gradients
+  are reduce-scattered. With ``dp_replicate`` too, the mesh is 2-D (HSDP).
+
+Gradients must equal the single-process step's. DDP and FSDP average gradients over
+the dp ranks, so the trainer scales each rank's loss to ``dp × (its token-loss sum /
+the global token count)`` (``batches.local_batch``): the average of those is the
+single-process batch mean, whatever the ranks' token counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from training.parallel.dims import ParallelDims
+
+__all__ = ["apply_data_parallel", "mixed_precision_policy", "zero1_optimizer"]
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction (torchtitan's default); fp32 otherwise.
+
+    FP8 keeps its Linears in float8 and the rest in bf16 autocast, as single-process
+    training does, so FSDP gathers its parameters in fp32 and lets the module cast.
+    """
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
+    policy = mixed_precision_policy(precision)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh)
+    return model
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, precision: str) -> nn.Module:
+    """FSDP2 when dp_shard > 1 (HSDP when dp_replicate > 1 too), else DDP when dp_replicate > 1."""
+    if dims.fsdp:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.ddp else mesh["dp_shard"]
+        return apply_fsdp(model, dp_mesh, precision)
+    if dims.ddp:
+        return apply_ddp(model, mesh["dp_replicate"])
+    return model
+
+
+def zero1_optimizer(groups: Iterable[dict], mesh: DeviceMesh, **defaults) -> ZeroRedundancyOptimizer:
+    """AdamW with its state partitioned over the DDP ranks (ZeRO stage 1)."""
+    groups = list(groups)
+    first, rest = groups[0], groups[1:]
+    optimizer = ZeroRedundancyOptimizer(first["params"], optimizer_class=torch.optim.AdamW,
+                                        process_group=mesh.get_group(),
+                                        **{**defaults, **{k: v for k, v in first.items() if k != "params"}})
+    for group in rest:
+        optimizer.add_param_group(group)
+    return optimizer

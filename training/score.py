@@ -1,0 +1,633 @@
+"""The scoring pass: a run's checkpoint over every document of a dataset, no optimizer step.
+
+For each document (its first ``score.max_rows`` rows, built exactly as training builds
+rows), one forward and one backward give its mean token loss, the norm of that loss's
+gradient and the gradient's dot product and cosine with the gradient of a clean reference
+set (training.alignment): tier 2's signals for every document, where round 0's telemetry
+saw only the documents its batches drew.
+
+The reference set is explicit and versioned: ``score.reference`` names sources and the
+share of each taken (by a hash of the id, so the choice is stable across versions); its
+ids go to ``OUT/reference.txt`` and the manifest. Its documents are scored like the rest
+but marked ``reference=True``: the dynamic filter never judges them. Its gradient is the
+gradient of its mean token loss, per stratum (``score.strata``: one for all, per kind,
+or per kind x language), so documentation is judged against documentation and code
+against code.
+
+Output, in ``OUT``::
+
+    part-00000.parquet ...   SCORE_SCHEMA rows: part = (checkpoint, block of score.part_docs documents)
+    reference.txt            the reference set's ids, in dataset order
+    manifest.json            fingerprint, inputs, params, reference set, strata, counts, timings
+
+Parts are written atomically; a rerun with the same inputs and params redoes only the
+missing parts (a killed run resumes, a deleted part is rewritten), and other inputs or
+params need ``overwrite``.
+
+Speed: documents are sorted by length and packed into batches of about
+``score.batch_tokens`` tokens, each padded only to its longest row (a row's padding sits
+after its last real token, and attention is causal, so trimming it changes nothing); one
+backward per batch, without weight gradients (the per-document quantities need only the
+activation gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from assay.config import ScoringParams, TrainModelParams, TrainParams
+from assay.devices import pick_device
+from assay.errors import AssayError
+from assay.schema import SCORE_SCHEMA
+from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, list_shards, remove_temporaries, shard_name
+from assay.stages.shard_stage import file_fingerprint
+from assay.versions import DatasetVersion, open_version
+from training.alignment import References, per_document_alignment
+from training.checkpoint import CHECKPOINTS, SafeReader, _single_process_ok, latest_checkpoint, read_trainer_state
+from training.data import TokenRows, build_rows, make_batch
+from training.grad_norms import token_losses
+from training.model import Transformer
+from training.tokenizer import TOKENIZER_FILE, load_tokenizer
+from training.trainer import build_model, precision_context
+
+__all__ = ["REFERENCE_FILE", "read_scores", "score_dataset", "select_reference"]
+
+REFERENCE_FILE = "reference.txt"
+FORMAT = "assay-scores/1"
+_MARKER = ".score-fingerprint"  # the fingerprint of the run that is writing OUT (before its manifest)
+_REFERENCE_SALT = "assay-score-reference"
+ALL = "all"
+
+
+# ------------------------------------------------------------------ documents
+@dataclass
+class _Docs:
+    """Every document of the dataset, in dataset order (no text)."""
+
+    ids: list[str]
+    kind: np.ndarray  # object arrays of str
+    lang: np.ndarray
+    source: np.ndarray
+    reference: np.ndarray  # bool
+    stratum: np.ndarray  # object: the stratum each document is compared with
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _hash_share(doc_id: str) -> float:
+    h = hashlib.blake2b(f"{_REFERENCE_SALT}\x1f{doc_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2**64
+
+
+def select_reference(ids: list[str], sources: np.ndarray, shares: dict[str, float]) -> np.ndarray:
+    """Which documents form the clean reference set: ``shares[source]`` of each named source,
+    by a salted hash of the id (stable across dataset versions, independent of the train split)."""
+    return np.array([s in shares and _hash_share(i) < shares[s] for i, s in zip(ids, sources)], dtype=bool)
+
+
+def _read_docs(version: DatasetVersion, params: ScoringParams) -> _Docs:
+    ids, kind, lang, source = [], [], [], []
+    for batch in version.iter_batches(columns=["id", "kind", "lang", "source"]):
+        ids += batch.column("id").to_pylist()
+        kind += batch.column("kind").to_pylist()
+        lang += batch.column("lang").to_pylist()
+        source += batch.column("source").to_pylist()
+    if len(set(ids)) != len(ids):
+        raise AssayError(f"{version.path}: document ids are not unique; scores are keyed by id")
+    kind_a, lang_a, source_a = (np.array(v, dtype=object) for v in (kind, lang, source))
+    reference = select_reference(ids, source_a, params.reference)
+    return _Docs(ids, kind_a, lang_a, source_a, reference, _strata(kind_a, lang_a, reference, params))
+
+
+def _strata(kind: np.ndarray, lang: np.ndarray, reference: np.ndarray, params: ScoringParams) -> np.ndarray:
+    """Each document's stratum: the finest of kind x lang / kind / all with enough reference documents."""
+    n_ref = int(reference.sum())
+    out = np.full(len(kind), ALL, dtype=object)
+    if params.strata == ALL or n_ref == 0:
+        return out
+    kinds, kind_counts = np.unique(kind[reference], return_counts=True)
+    big_kinds = {k for k, c in zip(kinds, kind_counts) if c >= params.min_stratum_docs}
+    pairs: set[str] = set()
+    if params.strata == "kind_lang":
+        keys = np.array([f"{k}/{g}" for k, g in zip(kind, lang)], dtype=object)
+        names, counts = np.unique(keys[reference], return_counts=True)
+        pairs = {n for n, c in zip(names, counts) if c >= params.min_stratum_docs}
+    for i, (k, g) in enumerate(zip(kind, lang)):
+        pair = f"{k}/{g}"
+        out[i] = pair if pair in pairs else k if k in big_kinds else ALL
+    return out
+
+
+def _iter_texts(version: DatasetVersion, wanted: Callable[[int], bool]) -> Iterator[tuple[int, str]]:
+    """(dataset position, text) of the wanted documents, streamed."""
+    position = 0
+    for batch in version.iter_batches(columns=["text"]):
+        for text in batch.column("text").to_pylist():
+            if wanted(position):
+                yield position, text or ""
+            position += 1
+
+
+def _iter_blocks(version: DatasetVersion, part_docs: int, blocks: list[int]) -> Iterator[tuple[int, list]]:
+    """(block, [(position, text)]) for the given blocks of part_docs documents, in one streaming pass."""
+    wanted = set(blocks)
+    current, texts = None, []
+    for position, text in _iter_texts(version, lambda p: p // part_docs in wanted):
+        block = position // part_docs
+        if block != current and texts:
+            yield current, texts
+            texts = []
+        current = block
+        texts.append((position, text))
+    if texts:
+        yield current, texts
+
+
+# ------------------------------------------------------------------ rows and batches
+@dataclass
+class _Scored:
+    """Capped token rows of some documents: ``pos[j]`` is the dataset position of rows.doc_ids[j]."""
+
+    rows: TokenRows
+    pos: np.ndarray
+    n_rows: np.ndarray  # rows per document before the cap
+
+
+def _rows_for(texts: list[tuple[int, str]], tokenizer, seq_len: int, max_rows: int) -> _Scored:
+    """Token rows of ``(position, text)`` documents, exactly as training builds them, cut to
+    each document's first ``max_rows`` rows."""
+    need = max_rows * seq_len + 1
+    rows = build_rows(((str(p), _scored_prefix(t, tokenizer, need)) for p, t in texts), tokenizer, seq_len)
+    pos = np.array([int(p) for p in rows.doc_ids], dtype=np.int64)
+    n_rows = np.bincount(rows.doc, minlength=len(pos)) if len(rows) else np.zeros(len(pos), dtype=np.int64)
+    # The first max_rows rows of each document (rows of a document are consecutive, in order).
+    first = np.zeros(len(rows), dtype=bool)
+    if len(rows):
+        starts = np.concatenate([[0], np.cumsum(n_rows)[:-1]])
+        first = (np.arange(len(rows)) - starts[rows.doc]) < max_rows
+    kept = TokenRows(rows.tokens[first], rows.lengths[first], rows.doc[first], rows.doc_ids, rows.pad_id)
+    return _Scored(kept, pos, n_rows)
+
+
+#: Characters of a long document tokenized to find its first rows (generous: about 4 per token).
+_CHARS_PER_TOKEN = 8
+
+
+def _scored_prefix(text: str, tokenizer, need: int) -> str:
+    """A prefix of ``text`` whose first ``need`` tokens are the whole text's, or the text.
+
+    Only the first max_rows rows are scored, so tokenizing a long document whole is waste.
+    BPE merges never cross pre-tokens (words), and cutting the text can change only its last
+    two words, so the prefix's tokens are the text's wherever the ``need``-th token lies in
+    an earlier word; otherwise the whole text is used."""
+    if len(text) <= need * _CHARS_PER_TOKEN:
+        return text
+    prefix = text[: need * _CHARS_PER_TOKEN]
+    words = tokenizer.encode(prefix, add_special_tokens=False).word_ids
+    if len(words) > need and words[need - 1] is not None and words[-1] is not None \
+            and words[need - 1] < words[-1] - 1:
+        return prefix
+    return text
+
+
+def _length_batches(rows: TokenRows, batch_tokens: int) -> list[np.ndarray]:
+    """Row indices of each batch: whole documents, longest first, about batch_tokens tokens each
+    (rows x the batch's longest row)."""
+    if len(rows) == 0:
+        return []
+    n_docs = len(rows.doc_ids)
+    longest = np.zeros(n_docs, dtype=np.int64)
+    np.maximum.at(longest, rows.doc, rows.lengths)
+    count = np.bincount(rows.doc, minlength=n_docs)
+    doc_rows = np.split(np.argsort(rows.doc, kind="stable"), np.cumsum(count)[:-1])
+    order = sorted((d for d in range(n_docs) if count[d]), key=lambda d: (-longest[d], -count[d], d))
+    batches, current, width, n_rows = [], [], 0, 0
+    for d in order:
+        if current and (n_rows + count[d]) * width > batch_tokens:
+            batches.append(np.concatenate([doc_rows[e] for e in current]))
+            current, n_rows = [], 0
+        if not current:
+            width = int(longest[d])
+        current.append(d)
+        n_rows += int(count[d])
+    if current:
+        batches.append(np.concatenate([doc_rows[e] for e in current]))
+    return batches
+
+
+def _batch(rows: TokenRows, indices: np.ndarray, device: torch.device):
+    batch = make_batch(rows, indices)
+    width = int(batch.loss_mask.sum(1).max())  # the longest row's targets: beyond it only padding
+    width = max(width, 1)
+    return dataclasses.replace(batch, tokens=batch.tokens[:, :width].contiguous(),
+                               targets=batch.targets[:, :width].contiguous(),
+                               loss_mask=batch.loss_mask[:, :width].contiguous()).to(device)
+
+
+# ------------------------------------------------------------------ checkpoints
+@dataclass
+class _Checkpoint:
+    step: int
+    path: Path
+    state: dict
+
+
+def _resolve_checkpoints(run_dir: Path, wanted: list[int | str]) -> list[_Checkpoint]:
+    root = run_dir / CHECKPOINTS
+    available = sorted(p.name for p in root.glob("step-*") if p.is_dir() and ".tmp" not in p.name) \
+        if root.is_dir() else []
+    out: list[_Checkpoint] = []
+    for w in wanted:
+        if w == "last":
+            path = latest_checkpoint(run_dir)
+            if path is None:
+                raise AssayError(f"{run_dir}: no checkpoint (train it first with `assay train`)")
+        else:
+            path = root / f"step-{int(w):08d}"
+            if not (path / "trainer.json").is_file():
+                raise AssayError(f"{run_dir}: no checkpoint of step {w} (available: {', '.join(available) or 'none'})")
+        state = read_trainer_state(path)
+        if all(c.step != state["step"] for c in out):
+            out.append(_Checkpoint(int(state["step"]), path, state))
+    first = out[0].state
+    for c in out[1:]:
+        if c.state["model_args"] != first["model_args"] or c.state["seq_len"] != first["seq_len"]:
+            raise AssayError(f"{run_dir}: checkpoints {out[0].step} and {c.step} are of different models")
+    return out
+
+
+def _train_params(state: dict) -> TrainParams:
+    return TrainParams(model=TrainModelParams(**state["model_args"]), seq_len=int(state["seq_len"]),
+                       precision=state.get("precision", "fp32"))
+
+
+def load_model(checkpoint: Path, state: dict, vocab_size: int, device: torch.device) -> Transformer:
+    """The checkpoint's model alone (no optimizer), through DCP's restricted reader."""
+    model = build_model(_train_params(state), vocab_size, device)
+    model_sd = get_model_state_dict(model)
+    with _single_process_ok(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": model_sd}, storage_reader=SafeReader(str(checkpoint)))
+    set_model_state_dict(model, model_sd)
+    model.train()  # as in training (MoE routing and every module behave as they did)
+    return model
+
+
+# ------------------------------------------------------------------ reference gradients
+def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, params: ScoringParams,
+                         precision: str, device: torch.device) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """Per stratum, the gradient of the reference documents' mean token loss (fp32)."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params_by_name = dict(model.named_parameters())
+    # Finest groups used by any stratum; every stratum is a union of them.
+    doc_stratum_key = {}
+    for j, pos in enumerate(scored.pos):
+        k, g = docs.kind[pos], docs.lang[pos]
+        doc_stratum_key[j] = f"{k}/{g}" if params.strata == "kind_lang" else k if params.strata == "kind" else ALL
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    tokens: dict[str, int] = {}
+    n_docs: dict[str, int] = {}
+    for group in sorted(set(doc_stratum_key.values())):
+        members = np.array([doc_stratum_key[j] == group for j in range(len(scored.pos))])
+        sub = _subset(scored.rows, members)
+        acc = {n: torch.zeros_like(params_by_name[n], dtype=torch.float64) for n in names}
+        total = 0
+        for indices in _length_batches(sub, params.batch_tokens):
+            batch = _batch(sub, indices, device)
+            model.zero_grad(set_to_none=True)
+            with precision_context(precision, device):
+                loss_sum = token_losses(model(batch.tokens), batch.targets, batch.loss_mask).sum()
+            loss_sum.backward()
+            for n in names:
+                if params_by_name[n].grad is not None:
+                    acc[n] += params_by_name[n].grad.double()
+            total += batch.n_tokens
+        model.zero_grad(set_to_none=True)
+        sums[group], tokens[group], n_docs[group] = acc, total, int(members.sum())
+
+    def combine(groups: list[str]) -> dict[str, torch.Tensor]:
+        n = sum(tokens[g] for g in groups)
+        return {name: (sum(sums[g][name] for g in groups) / max(n, 1)).float() for name in names}
+
+    strata = sorted(set(docs.stratum))
+    out, info = {}, {}
+    for s in strata:
+        members = [g for g in sums if s == ALL or g == s or g.split("/")[0] == s]
+        out[s] = combine(members)
+        info[s] = {"reference_docs": sum(n_docs[g] for g in members),
+                   "reference_tokens": sum(tokens[g] for g in members),
+                   "gradient_norm": float(sum(t.double().pow(2).sum() for t in out[s].values())) ** 0.5}
+    return out, info
+
+
+def _subset(rows: TokenRows, doc_mask: np.ndarray) -> TokenRows:
+    keep = doc_mask[rows.doc]
+    new_index = np.cumsum(doc_mask) - 1
+    return TokenRows(rows.tokens[keep], rows.lengths[keep], new_index[rows.doc[keep]],
+                     [d for d, m in zip(rows.doc_ids, doc_mask) if m], rows.pad_id)
+
+
+# ------------------------------------------------------------------ scoring one part
+def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: References,
+                stratum_index: dict[str, int], ref_model: Transformer | None, step: int, params: ScoringParams,
+                precision: str, device: torch.device, advance: Callable[[int, int], None]) -> pa.Table:
+    rows = scored.rows
+    n = len(rows.doc_ids)
+    cols = {k: np.full(n, np.nan) for k in ("loss", "grad_norm", "grad_dot", "alignment", "ref_loss")}
+    tokens = np.zeros(n, dtype=np.int64)
+    for indices in _length_batches(rows, params.batch_tokens):
+        batch = _batch(rows, indices, device)
+        local = np.array([int(d) for d in batch.doc_ids])  # dataset positions of the batch's documents
+        j = np.searchsorted(scored.pos, local)
+        doc_reference = torch.tensor([stratum_index[docs.stratum[p]] for p in local], device=device)
+        with precision_context(precision, device):
+            stats = per_document_alignment(model, batch.tokens, batch.targets, batch.loss_mask, batch.doc_index,
+                                           len(local), references, doc_reference, weight_grads=False)
+        for key in ("loss", "grad_norm", "grad_dot", "alignment"):
+            cols[key][j] = getattr(stats, key).double().cpu().numpy()
+        tokens[j] = stats.tokens.cpu().numpy()
+        if ref_model is not None:
+            with torch.no_grad(), precision_context(precision, device):
+                token_loss = token_losses(ref_model(batch.tokens), batch.targets, batch.loss_mask)
+            doc_sum = torch.zeros(len(local), dtype=torch.float64, device=device).index_add_(
+                0, batch.doc_index, token_loss.sum(1).double())
+            cols["ref_loss"][j] = (doc_sum / stats.tokens.double()).cpu().numpy()
+        advance(len(local), batch.n_tokens)
+    pos = scored.pos
+    return pa.table({
+        "step": pa.array(np.full(n, step, dtype=np.int64)),
+        "sample_id": pa.array([docs.ids[p] for p in pos], pa.string()),
+        "kind": pa.array(docs.kind[pos].tolist(), pa.string()),
+        "lang": pa.array(docs.lang[pos].tolist(), pa.string()),
+        "tokens": pa.array(tokens.astype(np.int32)),
+        "loss": pa.array(cols["loss"].astype(np.float32)),
+        "grad_norm": pa.array(cols["grad_norm"].astype(np.float32)),
+        "grad_dot": pa.array(cols["grad_dot"].astype(np.float32)),
+        "alignment": pa.array(cols["alignment"].astype(np.float32)),
+        "stratum": pa.array(docs.stratum[pos].tolist(), pa.string()),
+        "ref_loss": pa.array(cols["ref_loss"].astype(np.float32), mask=np.isnan(cols["ref_loss"]))
+        if ref_model is not None else pa.nulls(n, pa.float32()),
+        "reference": pa.array(docs.reference[pos]),
+        "rows": pa.array(np.minimum(scored.n_rows, params.max_rows).astype(np.int32)),
+        "capped": pa.array(scored.n_rows > params.max_rows),
+    }, schema=SCORE_SCHEMA)
+
+
+def _write_part(path: Path, table: pa.Table) -> None:
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, compression="zstd")
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+# ------------------------------------------------------------------ output directory
+def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> dict | None:
+    """Returns the finished manifest when nothing is left to do; wipes other inputs' output."""
+    manifest_path = out / MANIFEST
+    previous = None
+    if manifest_path.is_file():
+        try:
+            previous = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            previous = {}
+        if previous.get("format") != FORMAT:
+            raise AssayError(f"{out}: holds something other than scores; choose another --out")
+    marker = out / _MARKER
+    ours = previous is not None or marker.is_file()
+    if out.is_dir() and any(out.iterdir()) and not ours:
+        raise AssayError(f"{out}: exists and is not a scores directory; choose another --out")
+    same = (previous or {}).get("fingerprint") == fingerprint if previous is not None else (
+        marker.is_file() and marker.read_text() == fingerprint)
+    if ours and not same:
+        if previous is not None and not overwrite:
+            raise AssayError(f"{out}: holds scores of other inputs or params; pass --overwrite to replace them")
+        for path in list_shards(out):  # a killed run of other inputs, or --overwrite
+            path.unlink()
+        for name in (MANIFEST, REFERENCE_FILE, _MARKER):
+            (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / ".reference", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_temporaries(out)
+    if same and previous is not None and all((out / s).is_file() for s in previous.get("shards", [])):
+        return previous
+    atomic_write_bytes(marker, fingerprint.encode())
+    return None
+
+
+def _fingerprint(version: DatasetVersion, run_dir: Path, checkpoints: list[_Checkpoint], params: ScoringParams,
+                 ref_run: Path | None) -> str:
+    blob = {
+        "format": FORMAT,
+        "data": version.data_hash,
+        "tokenizer": file_fingerprint(run_dir / TOKENIZER_FILE),
+        "checkpoints": [[c.step, file_fingerprint(c.path)] for c in checkpoints],
+        "params": dataclasses.asdict(params),
+        "reference_model": file_fingerprint(latest_checkpoint(ref_run)) if ref_run else None,
+    }
+    return hashlib.blake2b(json.dumps(blob, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+# ------------------------------------------------------------------ the pass
+def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
+                  params: ScoringParams | None = None, *, rev: str | None = None, overwrite: bool = False,
+                  device: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Score every document of ``data_dir`` (at git ``rev`` through DVC, or the workspace)
+    with the checkpoint(s) of ``run_dir``; write ``out_dir``; return its manifest."""
+    params = params or ScoringParams()
+    run_dir, out = Path(run_dir), Path(out_dir)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    version = open_version(data_dir, rev)
+    checkpoints = _resolve_checkpoints(run_dir, params.checkpoints)
+    tokenizer = load_tokenizer(run_dir)
+    ref_run = Path(params.reference_model) if params.reference_model else None
+    if ref_run is not None:
+        _check_reference_model(run_dir, ref_run)
+    fingerprint = _fingerprint(version, run_dir, checkpoints, params, ref_run)
+    finished = _prepare_out(out, fingerprint, overwrite)
+    if finished is not None:
+        return finished
+
+    docs = _read_docs(version, params)
+    if not docs.reference.any():
+        raise AssayError(f"{data_dir}: no document of the reference sources "
+                         f"({', '.join(params.reference) or 'none configured'}) is in the dataset; "
+                         "set score.reference to sources it holds")
+    atomic_write_bytes(out / REFERENCE_FILE,
+                       "".join(f"{i}\n" for i, r in zip(docs.ids, docs.reference) if r).encode())
+    n_blocks = max(1, math.ceil(len(docs) / params.part_docs))
+    dev = pick_device(device or params.device)
+    state0 = checkpoints[0].state
+    seq_len, precision = int(state0["seq_len"]), state0.get("precision", "fp32")
+    vocab = tokenizer.get_vocab_size()
+    strata_names = sorted(set(docs.stratum))
+    stratum_index = {s: k for k, s in enumerate(strata_names)}
+
+    todo = [(c, b) for c in range(len(checkpoints)) for b in range(n_blocks)
+            if not (out / shard_name(c * n_blocks + b)).is_file()]
+    counts = {"documents": len(docs), "reference": int(docs.reference.sum()), "parts": len(checkpoints) * n_blocks,
+              "parts_resumed": len(checkpoints) * n_blocks - len(todo)}
+    strata_info: dict[str, dict] = {}
+    ref_model = None
+    if ref_run is not None:
+        ref_ck = latest_checkpoint(ref_run)
+        ref_model = load_model(ref_ck, read_trainer_state(ref_ck), vocab, dev)
+    reference_rows = None
+    scored_docs = scored_tokens = 0
+    total = sum(min(len(docs), (b + 1) * params.part_docs) - b * params.part_docs for _, b in todo)
+    with _progress(progress, total) as advance:
+        def tick(n_docs: int, n_tokens: int) -> None:
+            nonlocal scored_docs, scored_tokens
+            scored_docs += n_docs
+            scored_tokens += n_tokens
+            advance(scored_docs, scored_tokens, time.perf_counter() - t0)
+
+        for c, ck in enumerate(checkpoints):
+            blocks = [b for cc, b in todo if cc == c]
+            cache = out / ".reference" / f"step-{ck.step:08d}.pt"
+            if not blocks and cache.with_suffix(".json").is_file():
+                strata_info[str(ck.step)] = json.loads(cache.with_suffix(".json").read_text())
+                continue
+            model = load_model(ck.path, ck.state, vocab, dev)
+            if cache.is_file() and cache.with_suffix(".json").is_file():
+                grads = torch.load(cache, map_location=dev, weights_only=True)
+                info = json.loads(cache.with_suffix(".json").read_text())
+            else:
+                if reference_rows is None:
+                    reference_rows = _rows_for(list(_iter_texts(version, lambda p: bool(docs.reference[p]))),
+                                               tokenizer, seq_len, params.max_rows)
+                r0 = time.perf_counter(), time.process_time()
+                grads, info = _reference_gradients(model, reference_rows, docs, params, precision, dev)
+                info = {"strata": info, "reference_seconds": round(time.perf_counter() - r0[0], 3),
+                        "reference_cpu_seconds": round(time.process_time() - r0[1], 3)}
+                buffer = io.BytesIO()
+                torch.save(grads, buffer)
+                atomic_write_bytes(cache, buffer.getvalue())
+                atomic_write_json(cache.with_suffix(".json"), info)
+            strata_info[str(ck.step)] = info
+            references = References([grads[s] for s in strata_names], device=dev)
+            for b, texts in _iter_blocks(version, params.part_docs, blocks):
+                scored = _rows_for(texts, tokenizer, seq_len, params.max_rows)
+                table = _score_rows(model, scored, docs, references, stratum_index, ref_model, ck.step, params,
+                                    precision, dev, tick)
+                _write_part(out / shard_name(c * n_blocks + b), table)
+            del model
+
+    manifest = _manifest(out, fingerprint, version, run_dir, checkpoints, params, docs, strata_info, counts,
+                         (time.perf_counter() - t0, time.process_time() - cpu0), scored_docs, scored_tokens, n_blocks)
+    atomic_write_json(out / MANIFEST, manifest)
+    (out / _MARKER).unlink(missing_ok=True)
+    for cache in (out / ".reference").glob("*.pt"):  # a resume cache, a model's size: not part of the output
+        cache.unlink()
+    return manifest
+
+
+def _check_reference_model(run_dir: Path, ref_run: Path) -> None:
+    if latest_checkpoint(ref_run) is None:
+        raise AssayError(f"score.reference_model: {ref_run} holds no checkpoint")
+    mine, theirs = run_dir / TOKENIZER_FILE, ref_run / TOKENIZER_FILE
+    if not theirs.is_file() or file_fingerprint(mine) != file_fingerprint(theirs):
+        raise AssayError(f"score.reference_model: {ref_run} does not share {run_dir}'s tokenizer; RHO-LOSS "
+                         "compares per-token losses, so train the reference model with the same tokenizer.json")
+
+
+def _manifest(out: Path, fingerprint: str, version: DatasetVersion, run_dir: Path, checkpoints: list[_Checkpoint],
+              params: ScoringParams, docs: _Docs, strata_info: dict, counts: dict, seconds: tuple[float, float],
+              scored_docs: int, scored_tokens: int, n_blocks: int) -> dict:
+    seconds, cpu_seconds = seconds
+    # The reference gradients' time, as measured when they were computed (a resumed run reuses them).
+    ref_seconds = sum(v["reference_seconds"] for v in strata_info.values())
+    ref_cpu = sum(v["reference_cpu_seconds"] for v in strata_info.values())
+    shards = [shard_name(i) for i in range(len(checkpoints) * n_blocks)]
+    scored = capped = 0
+    for name in shards:
+        t = pq.read_table(out / name, columns=["capped"])
+        scored += t.num_rows
+        capped += sum(t.column("capped").to_pylist())
+    ref_ids = [i for i, r in zip(docs.ids, docs.reference) if r]
+    strata_docs = dict(zip(*np.unique(docs.stratum[~docs.reference], return_counts=True)))
+    return {
+        "format": FORMAT,
+        "stage": "score",
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "fingerprint": fingerprint,
+        "inputs": {"dataset": version.identity(), "run": str(run_dir),
+                   "checkpoints": [{"step": c.step, "path": str(c.path)} for c in checkpoints],
+                   "reference_model": params.reference_model},
+        "params": dataclasses.asdict(params),
+        "reference": {
+            "file": REFERENCE_FILE, "documents": len(ref_ids),
+            "ids_hash": hashlib.blake2b("\n".join(ref_ids).encode(), digest_size=16).hexdigest(),
+            "selection": params.reference,
+            "by_source": {str(k): int(v) for k, v in zip(*np.unique(docs.source[docs.reference], return_counts=True))},
+        },
+        "strata": {"mode": params.strata, "judged_docs": {str(k): int(v) for k, v in strata_docs.items()},
+                   "by_step": strata_info},
+        "counts": {**counts, "rows": scored, "scored_per_checkpoint": scored // max(1, len(checkpoints)),
+                   "capped_rows": capped, "max_rows": params.max_rows,
+                   "unscored_per_checkpoint": len(docs) - scored // max(1, len(checkpoints))},
+        "loss_is": f"mean token loss over each document's first {params.max_rows} rows "
+                   "(the whole document when it has no more; see the capped column)",
+        "shards": shards,
+        "timings": {"seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
+                    "reference_seconds": round(ref_seconds, 3), "reference_cpu_seconds": round(ref_cpu, 3),
+                    "documents_scored": scored_docs, "tokens_scored": scored_tokens,
+                    "docs_per_second": round(scored_docs / seconds, 2) if seconds else None,
+                    "tokens_per_second": round(scored_tokens / seconds, 1) if seconds else None},
+    }
+
+
+def read_scores(out_dir: str | Path) -> pa.Table:
+    """Every row of a finished scoring pass (SCORE_SCHEMA)."""
+    out = Path(out_dir)
+    manifest_path = out / MANIFEST
+    if not manifest_path.is_file():
+        raise AssayError(f"{out}: no {MANIFEST}; run `assay score` (it did not finish)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise AssayError(f"{out}: not a scores directory ({MANIFEST} of format {manifest.get('format')!r})")
+    missing = [s for s in manifest["shards"] if not (out / s).is_file()]
+    if missing:
+        raise AssayError(f"{out}: {len(missing)} part(s) missing ({missing[0]} ...); rerun `assay score`")
+    tables = [pq.read_table(out / s, schema=SCORE_SCHEMA) for s in manifest["shards"]]
+    return pa.concat_tables(tables) if tables else SCORE_SCHEMA.empty_table()
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int):
+    """A rich bar with documents/s and tokens/s; a no-op when disabled."""
+    if not enabled or total == 0:
+        yield lambda *args: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("score"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  TextColumn("{task.fields[info]}"), console=Console(file=sys.stderr)) as bar:
+        task = bar.add_task("score", total=total, info="")
+
+        def advance(docs: int, tokens: int, seconds: float) -> None:
+            bar.update(task, completed=docs,
+                       info=f"{docs / max(seconds, 1e-9):,.1f} docs/s  {tokens / max(seconds, 1e-9):,.0f} tok/s")
+
+        yield advance
