@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.compute as pc
 import pytest
 import torch
 import yaml

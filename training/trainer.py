@@ -40,13 +40,7 @@ from assay.devices import pick_device
 from assay.errors import AssayError
 from assay.shards import atomic_write_bytes, atomic_write_json
 from assay.versions import DatasetVersion
-from training.checkpoint import (
-    discard_partial_saves,
-    latest_checkpoint,
-    load_checkpoint,
-    read_trainer_state,
-    save_checkpoint,
-)
+from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
 from training.data import TokenRows, batch_rows, build_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
