@@ -35,20 +35,8 @@ BIN = Path(sys.executable).parent
 ASSAY = shutil.which("assay", path=str(BIN)) or "assay"
 
 VOCAB, B, N, N_DOCS = 50, 5, 16, 3
-DOC_INDEX = torch.tensor([0, 1, 2, 0, 2])  # document 0 spans rows 0 and 3, document 2 rows 2 and 4
-VARIANTS = {
-    "dense": {},
-    "moe": {"ffn": "moe", "n_experts": 4, "moe_topk": 2},
-    "sparse": {"attention": "sparse", "sparse_window": 4, "sparse_block": 4, "sparse_topk": 2},
-}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The same batch layout, model variants and one-thread fixture (autouse) as the ghost-norm tests.
+from test_grad_norms import DOC_INDEX, VARIANTS, one_thread  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------ alignment vs autograd
