@@ -5,6 +5,7 @@
 VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.assay-installed
+ENGINES := $(VENV)/.assay-engines-installed
 
 # Stage commands (dvc.yaml) find `assay` and `python` through PATH.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -17,7 +18,7 @@ export DO_NOT_TRACK := 1
 export DVC_NO_ANALYTICS := 1
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test test-slow test-parallel bench bench-verdicts clean
+.PHONY: install install-engines demo test test-slow test-parallel bench bench-verdicts clean
 
 install: $(STAMP)
 
@@ -28,6 +29,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install --quiet 'torch==2.13.0'
 	$(PYTHON) -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
+
+# Dask and Ray, for the stage flows on real engines (tests/test_scaleout.py in `make test-slow`);
+# apart from `install` so that `make demo` does not pay for Ray's 240 MB.
+install-engines: $(ENGINES)
+
+$(ENGINES): $(STAMP)
+	$(PYTHON) -m pip install --quiet -e '.[dev,dask,ray]'
+	@touch $(ENGINES)
 
 demo: install
 	dvc repro
@@ -46,8 +55,9 @@ test: install
 	exit $$rc
 
 # End to end and heavy: the whole loop under `dvc repro` (and what reruns after a change),
-# tier 3 on the labelled code set, the planted-corruption proof, the Prefect UI, the report in Chromium.
-test-slow: install
+# tier 3 on the labelled code set, the planted-corruption proof, the Prefect UI, the report in Chromium,
+# the stage flows on Dask and Ray, two runs at once, the vector store killed mid-write.
+test-slow: install-engines
 	@export PREFECT_HOME=$$(mktemp -d); \
 	$(PYTHON) -m pytest -m "slow and not parallel" $(PYTEST_ARGS); rc=$$?; \
 	rm -rf "$$PREFECT_HOME"; exit $$rc
@@ -67,6 +77,9 @@ bench: install
 	$(PYTHON) bench/train.py
 	$(PYTHON) bench/score.py
 	$(PYTHON) bench/parallel.py
+	$(PYTHON) bench/parallel_ep.py
+	$(PYTHON) bench/pipeline.py
+	OMP_NUM_THREADS=1 $(PYTHON) bench/context_parallel.py
 
 # Verdicts and memory, not speed: tier 1 on the labelled pool, tier 3 on labelled
 # code (needs models/domain: run `make demo` first), dedup's memory at 1M documents.

@@ -338,10 +338,12 @@ def train_command(
     nproc: int = typer.Option(1, "--nproc", help="Ranks on this machine; above 1, torchrun launches them (one CPU thread each unless OMP_NUM_THREADS is set)."),
     dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="DDP ranks (overrides train.parallel.dp_replicate)."),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP2 (ZeRO-3) ranks; -1 = what the other dimensions leave."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks (not implemented yet: refused)."),
-    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (not implemented yet: refused)."),
-    cp: Optional[int] = typer.Option(None, "--cp", help="Context-parallel ranks (not implemented yet: refused)."),
-    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks (not implemented yet: refused)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor + sequence parallel ranks: heads and FFN units split over them (with --dp-shard: FSDP×TP)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline-parallel ranks (torch.distributed.pipelining; pp alone for now)."),
+    pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (overrides train.parallel.pp_schedule)."),
+    pp_dynamic: Optional[bool] = typer.Option(None, "--pp-dynamic/--pp-static", help="Re-choose micro-batches each step from measured stage times and memory (train.parallel.pp_dynamic)."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Context-parallel ranks: each row's sequence sharded (ring attention; sharded sparse attention)."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks: MoE experts sharded over the FSDP ranks (ep must divide --dp-shard)."),
     zero1: Optional[bool] = typer.Option(None, "--zero1/--no-zero1", help="ZeRO-1: shard AdamW's state over the DDP ranks."),
     nnodes: str = typer.Option("1", "--nnodes", help="Machines (or MIN:MAX for elastic membership); needs --rdzv-endpoint."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous, the same on every node."),
@@ -359,7 +361,8 @@ def train_command(
 
     _quiet_console_tracebacks()
     layout = {k: v for k, v in {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp,
-                                "ep": ep, "zero1": zero1}.items() if v is not None}
+                                "ep": ep, "zero1": zero1, "pp_schedule": pp_schedule,
+                                "pp_dynamic": pp_dynamic}.items() if v is not None}
     if nproc > 1 and profile:
         raise AssayError("--profile traces one process; run it without --nproc")
     metrics = train_flow(str(data), str(out), rev=rev, resume=resume, overwrite=overwrite,

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from assay.config_ranges import check_range
 from assay.errors import AssayError
 
 PARAMS_FILE = "params.yaml"
@@ -162,12 +163,37 @@ class ReflowParams:
 
 
 @dataclass
+class MarkupParams:
+    """Take Markdown/reST/HTML markup out of the text the heuristics score (ours; see
+    `filters.markup`): the rules were set on extracted web text, where an extractor had done so."""
+
+    enabled: bool = True
+
+
+@dataclass
+class RecordsParams:
+    """Drop documents that are mostly key-value fields (RFC 822 / deb822 / INI records; ours, after
+    the shape of Gopher's line-ratio rules; see `filters.records`)."""
+
+    enabled: bool = True
+    #: Max share of non-blank lines that belong to a field; None (null): the rule is off.
+    max_field_lines_frac: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_field_lines_frac is not None and not 0.0 <= self.max_field_lines_frac <= 1.0:
+            raise AssayError(f"params: static.heuristics.records.max_field_lines_frac = {self.max_field_lines_frac} "
+                             "should be in [0, 1] or null")
+
+
+@dataclass
 class HeuristicsParams:
     #: How the Gopher rules split words: "paper" (whitespace-separated, as Rae
     #: et al. 2021 count them) or "datatrove" (spaCy English tokens, to compare
     #: with datatrove). See ARCHITECTURE.md, tier 1.
     words: str = "paper"
     reflow: ReflowParams = field(default_factory=ReflowParams)
+    markup: MarkupParams = field(default_factory=MarkupParams)
+    records: RecordsParams = field(default_factory=RecordsParams)
     gopher_quality: GopherQualityParams = field(default_factory=GopherQualityParams)
     gopher_repetition: GopherRepetitionParams = field(default_factory=GopherRepetitionParams)
     c4: C4Params = field(default_factory=C4Params)
@@ -214,8 +240,8 @@ class StaticParams:
     #: A key may be a shell pattern (`doc-*`). Default: plain-text file sources
     #: (the demo pool's and the fresh set's) get the Gopher rules only (params.yaml).
     source_rules: dict[str, list[str]] = field(default_factory=lambda: {
-        pattern: ["gopher_repetition", "gopher_quality"]
-        for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*")
+        pattern: ["gopher_repetition", "gopher_quality", "records"]
+        for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*", "fresh2-*")
     })
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
@@ -225,10 +251,10 @@ class StaticParams:
     score: ScoreParams = field(default_factory=ScoreParams)
     #: Keep a text document when quality >= threshold (a calibrated probability; chosen
     #: on the demo pool's dev part, see params.yaml).
-    threshold: float = 0.65
+    threshold: float = 0.5
 
     def __post_init__(self) -> None:
-        known = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality")  # filters.heuristics.FILTER_NAMES
+        known = ("gopher_repetition", "gopher_quality", "records", "c4", "fineweb_quality")  # filters.heuristics.FILTER_NAMES
         for source, names in self.source_rules.items():
             if not names:
                 raise AssayError(f"params: static.source_rules.{source} is empty; every text source is judged by "
@@ -272,6 +298,8 @@ class QualityParams:
     words_l2: float = 0.05
     #: "platt": calibrate the head's score on the pool's dev part (assay.quality.calibration); None: raw.
     calibration: str | None = "platt"
+    #: Words features: count the words of the text with its markup taken out (ours; filters.markup).
+    markup: bool = True
     #: --finetune: epochs and learning rate for the whole encoder.
     finetune_epochs: int = 2
     finetune_lr: float = 2e-5
@@ -550,6 +578,13 @@ class TrainParallelParams:
     ep: int = 1
     #: ZeRO-1 (ZeroRedundancyOptimizer) over the DDP ranks; only with dp_replicate > 1 and dp_shard 1.
     zero1: bool = False
+    #: Pipeline schedule (training.parallel.pipeline.SCHEDULES) and its static micro-batch count.
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 4
+    #: The dynamic micro-batch scheduler (training.parallel.microbatch) instead of a static split.
+    pp_dynamic: bool = False
+    #: Its cap on live activation MB per rank; None = the static plan's measured peak.
+    pp_memory_cap_mb: float | None = None
 
 
 @dataclass
@@ -661,7 +696,7 @@ class ScoringParams:
     #: The clean reference set: source -> share of its documents (by a hash of the id) taken
     #: into it. Its documents are scored but marked reference=True and never judged.
     reference: dict[str, float] = field(
-        default_factory=lambda: {"pydoc-topics": 1.0, "man": 1.0, "python-stdlib": 0.3}
+        default_factory=lambda: {"pydoc-topics": 1.0, "man": 1.0, "python-stdlib": 0.3, "pypi-description": 0.3}
     )
     #: What a document's gradient is compared with: "all" (one reference gradient), "kind"
     #: (text against text, code against code) or "kind_lang" (kind x language).
@@ -678,8 +713,14 @@ class ScoringParams:
     #: scored run's tokenizer. None: no reference model.
     reference_model: str | None = None
     device: str = "auto"
+    #: "adam": compare with Adam's preconditioned reference gradient P G (P = 1 / (sqrt(v_hat) + eps)
+    #: from the checkpoint's optimizer state; LESS, Xia et al. 2024); "none": the raw G (the default:
+    #: P G helped the small bench model but hurt the demo model, BENCHMARKS.md tier 2).
+    precondition: str = "none"
 
     def __post_init__(self) -> None:
+        if self.precondition not in ("none", "adam"):
+            raise AssayError(f"score.precondition must be none or adam, not {self.precondition!r}")
         for c in self.checkpoints:
             if not (c == "last" or (isinstance(c, int) and c >= 0)):
                 raise AssayError(f"score.checkpoints: {c!r} should be a step number or 'last'")
@@ -765,6 +806,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             kwargs[name] = _build(hint, value or {}, f"{where}.{name}".lstrip("."))
         else:
             kwargs[name] = _check_type(value, hint, f"{where}.{name}".lstrip("."))
+            check_range(f"{where}.{name}".lstrip("."), kwargs[name])
     return cls(**kwargs)
 
 

@@ -208,6 +208,48 @@ def require_dataset(directory: str | os.PathLike) -> Path:
     return directory
 
 
+def _same_family(a: pa.DataType, b: pa.DataType) -> bool:
+    """string and large_string (binary and large_binary) hold the same values."""
+    texts = (pa.string(), pa.large_string())
+    blobs = (pa.binary(), pa.large_binary())
+    return a == b or (a in texts and b in texts) or (a in blobs and b in blobs)
+
+
+def open_shard(source: Any, label: str | os.PathLike, schema: pa.Schema | None = None,
+               columns: Iterable[str] | None = None) -> pq.ParquetFile:
+    """A shard opened for reading, or an error that names it.
+
+    `source` is a path or an open file. A corrupt footer, or a column of `schema` that
+    the shard lacks or holds with another type, means a damaged or foreign dataset: the
+    user is told which shard and which column rather than shown pyarrow's traceback.
+    Only the `columns` asked for are checked (all of `schema` when None).
+    """
+    try:
+        parquet = pq.ParquetFile(source)
+    except (pa.ArrowException, OSError) as exc:
+        raise AssayError(f"{label}: not a readable Parquet shard ({exc})") from None
+    if schema is not None:
+        found = parquet.schema_arrow
+        for name in (columns if columns is not None else schema.names):
+            if name not in schema.names:
+                continue
+            want = schema.field(name).type
+            if name not in found.names:
+                raise AssayError(f"{label}: no column '{name}' (it has: {', '.join(found.names)})")
+            if not _same_family(found.field(name).type, want):
+                raise AssayError(f"{label}: column '{name}' is {found.field(name).type}, expected {want}")
+    return parquet
+
+
+def shard_batches(parquet: pq.ParquetFile, label: str | os.PathLike, *, columns: list[str] | None = None,
+                  batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+    """`parquet.iter_batches`, with a corrupt page reported as an error naming the shard."""
+    try:
+        yield from parquet.iter_batches(batch_size=batch_size, columns=columns)
+    except (pa.ArrowException, OSError) as exc:
+        raise AssayError(f"{label}: corrupt Parquet data ({exc})") from None
+
+
 def iter_batches(
     directory: str | os.PathLike,
     *,
@@ -218,8 +260,7 @@ def iter_batches(
     """Stream the record batches of every shard in `directory`, in shard order."""
     id_set = pa.array(sorted(set(filter_ids)), pa.string()) if filter_ids is not None else None
     for shard in list_shards(directory):
-        parquet = pq.ParquetFile(shard)
-        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+        for batch in shard_batches(open_shard(shard, shard), shard, batch_size=batch_size, columns=columns):
             if id_set is not None:
                 import pyarrow.compute as pc
 
@@ -230,7 +271,7 @@ def iter_batches(
 
 
 def count_rows(directory: str | os.PathLike) -> int:
-    return sum(pq.ParquetFile(s).metadata.num_rows for s in list_shards(directory))
+    return sum(open_shard(s, s).metadata.num_rows for s in list_shards(directory))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

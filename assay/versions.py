@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.shards import MANIFEST, SHARD_PATTERN
+from assay.schema import DOCUMENT_SCHEMA
+from assay.shards import MANIFEST, SHARD_PATTERN, open_shard, shard_batches
 
 __all__ = ["DatasetVersion", "open_version"]
 
@@ -50,12 +50,14 @@ class DatasetVersion:
     def iter_batches(self, columns: list[str] | None = None, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
         """Stream the documents' record batches, shard by shard, in name order."""
         for name in self.shards:
+            label = f"{self.path}/{name}" + (f" (at {self.rev})" if self.rev else "")
             if self._fs is None:
-                source = pq.ParquetFile(Path(self.path) / name)
-                yield from source.iter_batches(batch_size=batch_rows, columns=columns)
+                source = open_shard(Path(self.path) / name, label, DOCUMENT_SCHEMA, columns)
+                yield from shard_batches(source, label, batch_size=batch_rows, columns=columns)
             else:
                 with self._fs.open(f"{self._prefix}/{name}", "rb") as handle:
-                    yield from pq.ParquetFile(handle).iter_batches(batch_size=batch_rows, columns=columns)
+                    source = open_shard(handle, label, DOCUMENT_SCHEMA, columns)
+                    yield from shard_batches(source, label, batch_size=batch_rows, columns=columns)
 
 
 def _dvc_root(path: Path) -> Path | None:

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     import filters.text_units as text_units
-    from assay.config import HeuristicsParams, ReflowParams
+    from assay.config import HeuristicsParams, MarkupParams, RecordsParams, ReflowParams
     from filters.heuristics import apply_chain, build_heuristics
 
     docs = demo_sample(args.man_pages, args.metadata, args.stdlib, args.readmes, args.descriptions)
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # Speed and agreement are measured in datatrove-compatible mode (spaCy words, no paragraph
     # reflow), where the work is the same as datatrove's; the default (the papers' words) is timed alongside.
-    chain = build_heuristics(HeuristicsParams(words="datatrove", reflow=ReflowParams(enabled=False)))
+    chain = build_heuristics(HeuristicsParams(words="datatrove", reflow=ReflowParams(enabled=False),
+                                              markup=MarkupParams(enabled=False), records=RecordsParams(enabled=False)))
     paper_chain = build_heuristics(HeuristicsParams(words="paper"))
     text_units.WORDS.clear()  # cold cache
     t0 = time.perf_counter()

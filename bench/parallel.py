@@ -39,14 +39,17 @@ MODES = {
     "ddp": (None, {"dp_replicate": -2, "dp_shard": 1}),
     "ddp+zero1": (None, {"dp_replicate": -2, "dp_shard": 1, "zero1": True}),
     "fsdp": (None, {"dp_shard": -1}),
+    "tp": (None, {"tp": -2, "dp_shard": 1}),  # every rank one tensor-parallel shard
+    "fsdp+tp": (None, {"dp_shard": -1, "tp": 2}),  # 4 ranks: dp_shard 2 × tp 2
 }
 
 
 def layout(mode: str, ranks: int) -> dict:
     fixed, spec = MODES[mode]
     spec = dict(spec)
-    if spec.get("dp_replicate") == -2:
-        spec["dp_replicate"] = ranks
+    for name in ("dp_replicate", "tp"):
+        if spec.get(name) == -2:
+            spec[name] = ranks
     return spec
 
 
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     rows.append(("single", 1, baseline))
     for mode in args.modes.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
-            if ranks == 1:
+            if ranks == 1 or (mode == "fsdp+tp" and ranks < 4):  # fsdp+tp on 2 ranks would be tp alone
                 continue
             rows.append((mode, ranks, run(data, params_file, tmp / f"{mode}-{ranks}", ranks, layout(mode, ranks),
                                           args.steps)))

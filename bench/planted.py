@@ -76,7 +76,7 @@ def build_corpus(out: Path, args) -> tuple[Path, Path, Path]:
             if key != "seed":
                 demo[key] = 0
         demo.update(stdlib_files=args.stdlib, package_files=args.packages, package_metadata=args.metadata,
-                    man_pages=args.man)
+                    man_pages=args.man, seed=args.corpus_seed)
         params_file = out / "ingest-params.yaml"
         params_file.write_text(yaml.safe_dump(params))
         ingest_flow(["demo"], str(raw), params_file=str(params_file), overwrite=True)
@@ -168,9 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metadata", type=int, default=150)
     parser.add_argument("--man", type=int, default=150)
     parser.add_argument("--eval-share", type=float, default=0.1)
-    parser.add_argument("--reference", default="pydoc-topics=1.0,man=0.5,python-stdlib=0.3",
+    parser.add_argument("--reference", default="pydoc-topics=1.0,man=0.5,python-stdlib=0.3,pypi-description=0.3",
                         help="score.reference as source=share,...")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the planted documents")
+    parser.add_argument("--corpus-seed", type=int, default=0,
+                        help="demo.seed: which files the corpus draws (a second seed = a corpus nobody tuned on)")
     parser.add_argument("--skip-round-1", action="store_true")
     parser.add_argument("--dim", type=int, default=None, help="Override train.model.dim (and ffn_hidden = 2 dim): "
                         "a smaller model than the demo's for a busy machine")

@@ -1,32 +1,33 @@
-"""Tier 1 measured on labelled data, old settings against new, in one run.
+"""Tier 1 measured on labelled data, previous settings against new, in one run.
 
-    .venv/bin/python bench/tier1_pool.py [--raw DIR] [--head DIR] [--params FILE] [--words paper|datatrove] [--json FILE]
+    .venv/bin/python bench/tier1_pool.py [--raw DIR] [--head DIR] [--previous-head DIR] [--params FILE] [--json FILE]
 
 Without --raw, `assay ingest demo` (params.yaml's `demo:` section) is run
-into a temporary directory; without --head, the quality head is trained
-there with the reference recipe (`quality:` section: positives are the
-reference set, negatives come only from the `negatives_share` part of the
-pool, and the head is Platt-calibrated on the dev part).
+into a temporary directory; without --head / --previous-head, the quality
+heads are trained there with the reference recipe (`quality:` section:
+positives are the reference set, negatives come only from the
+`negatives_share` part of the pool, Platt-calibrated on the dev part): the
+new one as params.yaml says, the previous one with `quality.markup: false`.
 
-Three labelled sets, labels by provenance only:
+Four labelled sets, labels by provenance only:
 - the pool's **dev part** (`quality.dev_share`): where settings are chosen.
-  The run re-derives the choices by the rules written down before they were
-  made (the notes in BENCHMARKS.md): the line handling of C4's and FineWeb's
-  rules (A: as published; B: hard-wrapped paragraphs reflowed; C: B, and
-  the Gopher rules only for plain-text file sources, `static.source_rules`)
-  and `static.threshold` (the grid value maximising tier 1's good kept +
-  junk dropped);
-- the pool's **measured part**: reported on, never chosen on (but its
-  numbers were seen before this change);
-- the **fresh set** (`assay.quality.fresh`): other files of this machine,
-  of kinds the pool never reads, labelled before any score was computed.
+  The run re-derives every choice by the rules written down before they
+  were made (BENCHMARKS.md): markup to text for the heuristics
+  (`static.heuristics.markup`), the key-value records rule's threshold
+  (`static.heuristics.records`), whether the head reads markup-stripped
+  words (`quality.markup`), and `static.threshold`;
+- the pool's **measured part**, and the **first fresh set**
+  (`assay.quality.fresh`): reported, never chosen on, but their numbers
+  were seen before this change;
+- **fresh set 2** (`assay.quality.fresh2`, its manifest
+  tests/data/tier1_fresh2_manifest.tsv written before any score): unseen
+  until this run, never chosen on.
 
-On the last two, side by side: the **old** settings (published line rules
-without reflow, no per-source rules, the head's raw probability at 0.44)
-and the **new** ones (params.yaml: reflow, `static.source_rules`, the
-calibrated head at `static.threshold`). For each: heuristics alone, the
-head alone, tier 1 (both), the head's ROC AUC on every labelled document
-and its calibration error (ECE), and per source the keep rates.
+On each, side by side, the **previous** settings (reflow, Gopher rules for
+plain-text file sources, the calibrated raw-words head at 0.65: no markup
+step, no records rule) and the **new** ones (params.yaml): heuristics alone,
+the head alone, tier 1 (both), the head's ROC AUC on every labelled document,
+and per kind the keep rates.
 """
 
 from __future__ import annotations
@@ -47,119 +48,191 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-#: The settings before this change (BENCHMARKS.md's earlier tier 1 table).
-OLD_THRESHOLD = 0.44
 THRESHOLD_GRID = [round(x, 2) for x in np.arange(0.05, 0.951, 0.05)]
+RECORDS_GRID = [0.5, 0.6, 0.7, 0.8, 0.9]
+#: static.threshold before this change (chosen on the dev part for the raw-words head).
+PREVIOUS_THRESHOLD = 0.65
 
 
 def pct(x: float) -> str:
     return "-" if x != x else f"{x:.1%}"
 
 
-def old_params(params):
-    """params.yaml with the settings this change replaced (the head is scored raw by the caller)."""
-    heuristics = dataclasses.replace(params.static.heuristics,
-                                     reflow=dataclasses.replace(params.static.heuristics.reflow, enabled=False))
-    static = dataclasses.replace(params.static, heuristics=heuristics, source_rules={}, threshold=OLD_THRESHOLD)
-    return dataclasses.replace(params, static=static)
+def without_records(source_rules: dict) -> dict:
+    return {k: [n for n in v if n != "records"] for k, v in source_rules.items()}
 
 
-def choose_on_dev(docs: dict, params, raw_scorer, calibrated_scorer, encoder=None) -> dict:
-    """The dev-part choices, by the rules fixed before they were made."""
+def previous_params(params, head: str):
+    """params.yaml with the settings this change replaced."""
+    h = params.static.heuristics
+    heuristics = dataclasses.replace(h, markup=dataclasses.replace(h.markup, enabled=False),
+                                     records=dataclasses.replace(h.records, enabled=False))
+    static = dataclasses.replace(params.static, heuristics=heuristics, head=head, model=None,
+                                 source_rules=without_records(params.static.source_rules),
+                                 threshold=PREVIOUS_THRESHOLD)
+    return dataclasses.replace(params, static=static, quality=dataclasses.replace(params.quality, markup=False))
+
+
+def _batch(docs: dict):
     import pyarrow as pa
 
+    return pa.record_batch({"text": pa.array(docs["text"], pa.large_string()), "kind": pa.array(docs["kind"]),
+                            "source": pa.array(docs["source"])})
+
+
+def choose_on_dev(docs: dict, params, previous_scorer, new_scorer) -> dict:
+    """The dev-part choices, by the rules fixed before they were made (BENCHMARKS.md)."""
+    from assay.quality.metrics import roc_auc
     from assay.quality.pool import keep_rates, pool_labels
     from filters.heuristics import apply_by_source, build_heuristics
+    from filters.records import RecordsFilter
 
     labels = pool_labels(docs["source"], [len(t) for t in docs["text"]])
-    batch = pa.record_batch({"text": pa.array(docs["text"], pa.large_string()), "kind": pa.array(docs["kind"]),
-                             "source": pa.array(docs["source"])})
-    embeddings = encoder.encode(docs["text"]) if encoder is not None else None
-    raw = raw_scorer.score(docs["text"], embeddings) >= OLD_THRESHOLD
+    labelled = labels >= 0
+    batch = _batch(docs)
     h = params.static.heuristics
-    no_reflow = dataclasses.replace(h, reflow=dataclasses.replace(h.reflow, enabled=False))
-    candidates = {
-        "A: published line rules": (no_reflow, {}),
-        "B: reflow": (h, {}),
-        "C: reflow + Gopher rules only for file sources": (h, params.static.source_rules),
-    }
-    lines = {}
-    for name, (heuristics, rules) in candidates.items():
-        keep = apply_by_source(build_heuristics(heuristics), batch, rules).keep
-        lines[name] = {"heuristics": keep_rates(labels, keep), "tier1": keep_rates(labels, keep & raw)}
-    eligible = [n for n, v in lines.items() if v["tier1"]["junk_dropped"] >= 0.9]
-    # Ties go to the earlier candidate (fewer changes to the published rules).
-    chosen_lines = max(eligible, key=lambda n: (lines[n]["tier1"]["good_kept"], -list(candidates).index(n)))
-    heuristics, rules = candidates[chosen_lines]
-    keep = apply_by_source(build_heuristics(heuristics), batch, rules).keep
-    quality = calibrated_scorer.score(docs["text"], embeddings)
+    rules_before = without_records(params.static.source_rules)
+    q_prev = previous_scorer.score(docs["text"], None)
+    head_prev = q_prev >= PREVIOUS_THRESHOLD
+    out: dict = {"labelled": int(labelled.sum()), "good": int((labels == 1).sum())}
+
+    # 1. markup to text for the heuristics (records off, the previous head at its threshold).
+    markup = {}
+    for enabled in (False, True):
+        hh = dataclasses.replace(h, markup=dataclasses.replace(h.markup, enabled=enabled),
+                                 records=dataclasses.replace(h.records, enabled=False))
+        keep = apply_by_source(build_heuristics(hh), batch, rules_before).keep
+        markup[enabled] = {"heuristics": keep_rates(labels, keep), "tier1": keep_rates(labels, keep & head_prev)}
+    eligible = [m for m, v in markup.items() if v["tier1"]["junk_dropped"] >= 0.9]
+    out["markup"] = {str(k): v for k, v in markup.items()}
+    out["chosen_markup"] = max(eligible, key=lambda m: (markup[m]["tier1"]["good_kept"], not m))
+
+    # 2. the records rule alone: the lowest grid value dropping <= 1% of dev good prose.
+    frac = RecordsFilter(dataclasses.replace(h.records, max_field_lines_frac=None)).apply(batch).scores[
+        "records:field_lines_frac"]
+    sources = np.array(docs["source"])
     grid = {}
+    for t in RECORDS_GRID:
+        dropped = frac > t
+        grid[t] = {"good_dropped": float(dropped[labels == 1].mean()), "junk_dropped": float(dropped[labels == 0].mean()),
+                   "pypi_metadata_dropped": float(dropped[sources == "pypi-metadata"].mean())}
+    out["records_grid"] = grid
+    ok = [t for t in RECORDS_GRID if grid[t]["good_dropped"] <= 0.01]
+    out["chosen_records"] = min(ok) if ok else None
+
+    # 3. the head reading markup-stripped words or not, with the heuristics chosen so far.
+    hh = dataclasses.replace(h, markup=dataclasses.replace(h.markup, enabled=out["chosen_markup"]),
+                             records=dataclasses.replace(h.records, enabled=out["chosen_records"] is not None,
+                                                         max_field_lines_frac=out["chosen_records"]))
+    keep = apply_by_source(build_heuristics(hh), batch, params.static.source_rules).keep
+    q_new = new_scorer.score(docs["text"], None)
+    heads = {}
+    for name, q in (("raw words", q_prev), ("markup-stripped words", q_new)):
+        heads[name] = {"auc": roc_auc(labels[labelled] == 1, q[labelled]),
+                       "tier1": keep_rates(labels, keep & (q >= PREVIOUS_THRESHOLD))}
+    out["head"] = heads
+    eligible = [n for n, v in heads.items() if v["tier1"]["junk_dropped"] >= 0.9]
+    out["chosen_head"] = max(eligible, key=lambda n: (heads[n]["tier1"]["good_kept"], n == "raw words"))
+
+    # 4. the threshold, with everything above.
+    q = q_new if out["chosen_head"] == "markup-stripped words" else q_prev
+    thresholds = {}
     for t in THRESHOLD_GRID:
-        r = keep_rates(labels, keep & (quality >= t))
-        grid[t] = r["good_kept"] + r["junk_dropped"]
-    chosen_threshold = max(grid, key=lambda t: (round(grid[t], 12), -abs(t - 0.5)))
-    return {"candidates": lines, "chosen_lines": chosen_lines, "threshold_grid": grid,
-            "chosen_threshold": chosen_threshold, "labelled": int((labels >= 0).sum()), "good": int((labels == 1).sum())}
+        r = keep_rates(labels, keep & (q >= t))
+        thresholds[t] = r["good_kept"] + r["junk_dropped"]
+    out["threshold_grid"] = thresholds
+    out["chosen_threshold"] = max(thresholds, key=lambda t: (round(thresholds[t], 12), -abs(t - 0.5)))
+    return out
 
 
 def print_choice(choice: dict, params) -> None:
     print(f"## dev part: the choices ({choice['labelled']} labelled, {choice['good']} good)\n")
-    print("| line handling (head raw at 0.44) | heuristics: good kept / junk dropped | tier 1 |")
+    print("| 1. heuristics' markup step (records off; previous head at 0.65) | heuristics: good kept / junk dropped | tier 1 |")
     print("|---|---|---|")
-    for name, v in choice["candidates"].items():
-        print(f"| {name} | {pct(v['heuristics']['good_kept'])} / {pct(v['heuristics']['junk_dropped'])} | "
-              f"{pct(v['tier1']['good_kept'])} / {pct(v['tier1']['junk_dropped'])} |")
+    for name, v in choice["markup"].items():
+        print(f"| markup {'on' if name == 'True' else 'off'} | {pct(v['heuristics']['good_kept'])} / "
+              f"{pct(v['heuristics']['junk_dropped'])} | {pct(v['tier1']['good_kept'])} / {pct(v['tier1']['junk_dropped'])} |")
+    print(f"\nchosen: markup {'on' if choice['chosen_markup'] else 'off'} "
+          f"(params.yaml: {'on' if params.static.heuristics.markup.enabled else 'off'})\n")
+    print("| 2. records: max_field_lines_frac | good prose dropped (rule alone) | junk dropped | METADATA headers dropped |")
+    print("|---:|---:|---:|---:|")
+    for t, v in choice["records_grid"].items():
+        print(f"| {t} | {pct(v['good_dropped'])} | {pct(v['junk_dropped'])} | {pct(v['pypi_metadata_dropped'])} |")
+    print(f"\nchosen: {choice['chosen_records']} (params.yaml: {params.static.heuristics.records.max_field_lines_frac})\n")
+    print("| 3. the head reads | AUC (dev, every labelled document) | tier 1 at 0.65: good kept / junk dropped |")
+    print("|---|---:|---|")
+    for name, v in choice["head"].items():
+        print(f"| {name} | {v['auc']:.4f} | {pct(v['tier1']['good_kept'])} / {pct(v['tier1']['junk_dropped'])} |")
+    print(f"\nchosen: {choice['chosen_head']} (params.yaml quality.markup: {params.quality.markup})")
     grid = ", ".join(f"{t}: {v:.3f}" for t, v in choice["threshold_grid"].items())
-    print(f"\nchosen: {choice['chosen_lines']}; threshold (calibrated head): {choice['chosen_threshold']} "
-          f"(params.yaml: {params.static.threshold})\ngood kept + junk dropped per threshold: {grid}\n")
+    print(f"4. threshold: {choice['chosen_threshold']} (params.yaml: {params.static.threshold})\n"
+          f"good kept + junk dropped per threshold: {grid}\n")
 
 
 def print_side_by_side(name: str, old: dict, new: dict) -> None:
     print(f"## {name}: {new['documents']} text documents, {new['labelled']} labelled "
           f"({new['heuristics']['good']} good, {new['heuristics']['junk']} junk)\n")
-    print("| judge | old: good kept | old: junk dropped | new: good kept | new: junk dropped | new: precision |")
+    print("| judge | previous: good kept | previous: junk dropped | new: good kept | new: junk dropped | new: precision |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, key in (("heuristics", "heuristics"), ("head alone", "head"), ("**tier 1**", "tier1")):
         o, n = old[key], new[key]
         print(f"| {label} | {pct(o['good_kept'])} | {pct(o['junk_dropped'])} | {pct(n['good_kept'])} | "
               f"{pct(n['junk_dropped'])} | {pct(n['precision'])} |")
-    print(f"\nhead ROC AUC on every labelled document: old {old['head']['auc']:.4f}, new {new['head']['auc']:.4f}; "
-          f"ECE: old {old['head']['ece']:.3f} (raw), new {new['head']['ece']:.3f} (calibrated); "
-          f"thresholds {old['threshold']} / {new['threshold']}")
-    print("each filter alone (new settings): " + "; ".join(
-        f"{k} {pct(v['good_kept'])} / {pct(v['junk_dropped'])}" for k, v in new["filters_alone"].items()))
-    print("\n| source | label | n | old: heuristics / tier 1 keep | new: heuristics / head / tier 1 keep | "
-          "new head median | top drop reasons (new heuristics) |")
-    print("|---|---|---:|---|---|---:|---|")
+    print(f"\nhead ROC AUC on every labelled document: previous {old['head']['auc']:.4f}, new {new['head']['auc']:.4f}; "
+          f"ECE: previous {old['head']['ece']:.3f}, new {new['head']['ece']:.3f}")
+    print("\n| kind | label | n | previous: heuristics / head / tier 1 keep | new: heuristics / head / tier 1 keep | "
+          "top drop reasons (new heuristics) |")
+    print("|---|---|---:|---|---|---|")
     for source, v in new["per_source"].items():
         o = old["per_source"][source]
-        reasons = ", ".join(f"{k.split(':', 1)[1]} {c}" for k, c in v["top_reasons"]) or "-"
-        print(f"| {source} | {v['label']} | {v['n']} | {pct(o['heuristics_keep'])} / {pct(o['tier1_keep'])} | "
-              f"{pct(v['heuristics_keep'])} / {pct(v['head_keep'])} / {pct(v['tier1_keep'])} | "
-              f"{v['head_median']:.3f} | {reasons} |")
+        reasons = ", ".join(f"{k} {c}" for k, c in v["top_reasons"]) or "-"
+        print(f"| {source} | {v['label']} | {v['n']} | {pct(o['heuristics_keep'])} / {pct(o['head_keep'])} / "
+              f"{pct(o['tier1_keep'])} | {pct(v['heuristics_keep'])} / {pct(v['head_keep'])} / {pct(v['tier1_keep'])} "
+              f"| {reasons} |")
     print()
+
+
+def print_summary(results: dict) -> None:
+    print("## summary: tier 1 (heuristics, then the head), previous -> new\n")
+    print("| set | labelled (good / junk) | good prose kept | junk dropped | head AUC (every document) |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        o, n = r["previous"], r["new"]
+        print(f"| {name} | {n['heuristics']['good']} / {n['heuristics']['junk']} | "
+              f"{pct(o['tier1']['good_kept'])} -> **{pct(n['tier1']['good_kept'])}** | "
+              f"{pct(o['tier1']['junk_dropped'])} -> **{pct(n['tier1']['junk_dropped'])}** | "
+              f"{o['head']['auc']:.3f} -> {n['head']['auc']:.3f} |")
+    print()
+
+
+def train(raw: str, params, out: str) -> str:
+    from assay.quality.train import reference_examples, train_head
+
+    report = train_head(reference_examples(raw, params), params, out, recipe="reference")
+    t = report["training"]
+    print(f"head {out} (quality.markup {params.quality.markup}): {t['examples']} examples "
+          f"({t['positives']} reference), held-out AUC {report['head']['auc']:.4f}; "
+          f"calibration {report.get('calibration')}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--raw", help="an ingested demo corpus (default: ingest one into a temporary directory)")
-    parser.add_argument("--head", help="a trained quality head (default: train one on --raw)")
+    parser.add_argument("--head", help="the new quality head (default: train one on --raw with params.yaml)")
+    parser.add_argument("--previous-head", help="the previous head (default: train one with quality.markup: false)")
     parser.add_argument("--params", help="params.yaml (default: the nearest one)")
-    parser.add_argument("--words", choices=["paper", "datatrove"], help="override static.heuristics.words")
-    parser.add_argument("--fresh-per-kind", type=int, default=None, help="fresh documents per kind (default 60)")
     parser.add_argument("--json", help="also write the report here")
+    parser.add_argument("--dev-only", action="store_true", help="only the dev part's choices (no other set is scored)")
     args = parser.parse_args(argv)
 
     from assay.config import load_params
-    from assay.quality.fresh import FRESH_LABELS, PER_KIND, read_fresh
+    from assay.quality.fresh import FRESH_LABELS, read_fresh
+    from assay.quality.fresh2 import FRESH2_LABELS, read_fresh2
     from assay.quality.pool import DEV, MEASURED, measure_tier1, read_pool
-    from assay.encoder import shared_encoder
-    from assay.quality.scorer import HeadScorer, encoder_for
-    from assay.quality.train import reference_examples, train_head
+    from assay.quality.scorer import HeadScorer
 
     params = load_params(args.params)
-    if args.words:
-        params.static.heuristics.words = args.words
     work = Path(tempfile.mkdtemp(prefix="assay-tier1-pool-"))
     started = time.perf_counter()
     raw = args.raw
@@ -170,33 +243,44 @@ def main(argv: list[str] | None = None) -> dict:
             cmd += ["--params", args.params]
         subprocess.run(cmd, check=True, env=dict(os.environ, PREFECT_LOGGING_LEVEL="WARNING"),
                        stdout=subprocess.DEVNULL)
-    head = args.head
-    if head is None:
-        head = str(work / "head")
-        report = train_head(reference_examples(raw, params), params, head, recipe="reference")
-        t = report["training"]
-        print(f"head trained: {t['examples']} examples ({t['positives']} reference), "
-              f"held-out AUC {report['head']['auc']:.4f}; calibration {report.get('calibration')}\n")
+    prev_head = args.previous_head or train(raw, previous_params(params, ""), str(work / "previous-head"))
+    head = args.head or train(raw, params, str(work / "head"))
     new = dataclasses.replace(params, static=dataclasses.replace(params.static, head=head, model=None))
-    old = old_params(new)
-    raw_scorer, calibrated = HeadScorer(head, calibrated=False), HeadScorer(head)
-    if calibrated.calibration is None:
-        print("note: this head carries no calibration; the new settings score it raw\n")
+    old = previous_params(new, prev_head)
+    prev_scorer, new_scorer = HeadScorer(prev_head), HeadScorer(head)
+    if new_scorer.needs_embeddings or prev_scorer.needs_embeddings:
+        raise SystemExit("this benchmark measures words heads (quality.features: words)")
+    print()
 
-    # Only an embedding head needs the encoder; a words head reads the text.
-    encoder = shared_encoder(encoder_for(new.static)) if calibrated.needs_embeddings else None
-    choice = choose_on_dev(read_pool(raw, new, part=DEV), new, raw_scorer, calibrated, encoder)
+    dev = read_pool(raw, new, part=DEV)
+    choice = choose_on_dev(dev, new, prev_scorer, new_scorer)
     print_choice(choice, new)
-    result = {"dev_choice": choice}
-    measured = read_pool(raw, new, part=MEASURED)
-    fresh = read_fresh(args.fresh_per_kind or PER_KIND)
-    for name, docs, labels in (("measured part of the pool", measured, None), ("fresh set", fresh, FRESH_LABELS)):
+    result: dict = {"dev_choice": choice}
+    if args.dev_only:
+        return result
+    fresh2, fresh2_labels, missing = read_fresh2()
+    print(f"fresh set 2: {len(fresh2['id'])} documents read back from the manifest; not readable: {missing or 'none'}\n")
+    sets = (
+        ("pool dev part (chosen on)", dev, None),
+        ("pool measured part (seen before)", read_pool(raw, new, part=MEASURED), None),
+        ("fresh set 1 (seen before)", read_fresh(), FRESH_LABELS),
+        ("fresh set 2 (unseen)", fresh2, FRESH2_LABELS),
+    )
+    results = {}
+    for name, docs, labels in sets:
         extra = {} if labels is None else {"source_labels": labels}
-        o = measure_tier1(docs, old, encoder, raw_scorer, **extra)
-        n = measure_tier1(docs, new, encoder, calibrated, **extra)
+        o = measure_tier1(docs, old, None, prev_scorer, **extra)
+        n = measure_tier1(docs, new, None, new_scorer, **extra)
         print_side_by_side(name, o, n)
-        result[name] = {"old": o, "new": n}
-    print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, head: {head})")
+        results[name] = {"previous": o, "new": n}
+    # The manifest's labels are the ones measured (same kind + length rule, checked here).
+    from assay.quality.pool import labels_by_source
+
+    recomputed = labels_by_source(fresh2["source"], [len(t) for t in fresh2["text"]], FRESH2_LABELS)
+    assert (recomputed == fresh2_labels).all(), "fresh set 2: labels differ from the manifest's"
+    print_summary(results)
+    result["sets"] = results
+    print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, heads: {prev_head}, {head})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=float))
     return result

@@ -69,14 +69,19 @@ TERMINAL_RE = "[.?!\"']$"
 class C4Filter:
     name = "c4"
 
-    def __init__(self, params: C4Params | None = None, reflow: tuple[int, int] | None = None) -> None:
+    def __init__(self, params: C4Params | None = None, reflow: tuple[int, int] | None = None,
+                 markup: bool = False) -> None:
         self.params = params or C4Params()
         #: (min_width, max_width): judge lines after `reflow_hard_wrapped` (ours, see the docstring); None: as C4.
         self.reflow = reflow
+        #: Judge the text with its markup taken out (`filters.markup`, ours), before any reflow.
+        self.markup = markup
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
+        if self.markup:
+            units = units.plain()
         if self.reflow is not None:
             units = units.reflowed(*self.reflow)
         n = units.n

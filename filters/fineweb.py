@@ -47,14 +47,19 @@ _ENDS_IN_TERMINAL = f"[{regex_escape_class(TERMINAL_PUNCTUATION)}]$"
 class FineWebQualityFilter:
     name = "fineweb_quality"
 
-    def __init__(self, params: FineWebQualityParams | None = None, reflow: tuple[int, int] | None = None) -> None:
+    def __init__(self, params: FineWebQualityParams | None = None, reflow: tuple[int, int] | None = None,
+                 markup: bool = False) -> None:
         self.params = params or FineWebQualityParams()
         #: (min_width, max_width): judge lines after `reflow_hard_wrapped` (ours); None: as FineWeb.
         self.reflow = reflow
+        #: Judge the text with its markup taken out (`filters.markup`, ours), before any reflow.
+        self.markup = markup
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
+        if self.markup:
+            units = units.plain()
         if self.reflow is not None:
             units = units.reflowed(*self.reflow)
         all_lines = units.newline_lines

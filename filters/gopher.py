@@ -71,13 +71,18 @@ class GopherQualityFilter:
 
     name = "gopher_quality"
 
-    def __init__(self, params: GopherQualityParams | None = None, words: str = WORDS_PAPER) -> None:
+    def __init__(self, params: GopherQualityParams | None = None, words: str = WORDS_PAPER,
+                 markup: bool = False) -> None:
         self.params = params or GopherQualityParams()
         self.words = _check_words(words)
+        #: Score the text with its markup taken out (`filters.markup`, ours); False: the text as it is.
+        self.markup = markup
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
+        if self.markup:
+            units = units.plain()
         words = units.words_for(self.words)
         offsets = words.offsets
         n_tokens = words.counts
@@ -272,13 +277,18 @@ class GopherRepetitionFilter:
 
     name = "gopher_repetition"
 
-    def __init__(self, params: GopherRepetitionParams | None = None, words: str = WORDS_PAPER) -> None:
+    def __init__(self, params: GopherRepetitionParams | None = None, words: str = WORDS_PAPER,
+                 markup: bool = False) -> None:
         self.params = params or GopherRepetitionParams()
         self.words = _check_words(words)
+        #: Score the text with its markup taken out (`filters.markup`, ours); False: the text as it is.
+        self.markup = markup
 
     def apply(self, batch: pa.RecordBatch) -> FilterResult:
         p = self.params
         units = batch_text(batch)
+        if self.markup:
+            units = units.plain()
         n = units.n
         length = units.length
         para_dups, para_dup_chars = _duplicate_stats(units.paragraphs)

@@ -1,7 +1,8 @@
 """Tier 1's heuristic pre-filters as one chain.
 
 `build_heuristics` makes the enabled filters from `static.heuristics` in
-FineWeb's order (Gopher repetition, Gopher quality, C4, FineWeb quality);
+FineWeb's order (Gopher repetition, Gopher quality, C4, FineWeb quality),
+with our key-value records rule (`filters.records`) after Gopher's;
 `apply_chain` runs them over a batch as a cascade: a row is dropped by the
 first filter that drops it, and that filter's reason is the row's reason.
 
@@ -20,6 +21,10 @@ C4's and FineWeb's line rules were designed for web-page extractions, where
 a line is a paragraph. Before them, hard-wrapped paragraphs are joined
 (`static.heuristics.reflow`, `filters.text_units.reflow_hard_wrapped`): a
 difference from the papers and datatrove (off in the datatrove comparison).
+
+The heuristics score the text with its Markdown/reST/HTML markup taken out
+(`static.heuristics.markup`, `filters.markup`): the rules were set on
+extracted web text. Also ours, also off in the datatrove comparison.
 
 Words are counted as the papers count them (`static.heuristics.words`,
 see `filters.gopher`); with `words: datatrove`, filter by filter the
@@ -46,25 +51,29 @@ from filters.base import Filter, FilterResult
 from filters.c4 import C4Filter
 from filters.fineweb import FineWebQualityFilter
 from filters.gopher import GopherQualityFilter, GopherRepetitionFilter
+from filters.records import RecordsFilter
 
 
 #: Every heuristic filter, in FineWeb's order (the names `static.source_rules` may use).
-FILTER_NAMES = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality")
+FILTER_NAMES = ("gopher_repetition", "gopher_quality", "records", "c4", "fineweb_quality")
 
 
 def build_heuristics(params: HeuristicsParams | None = None) -> list[Filter]:
     """The enabled heuristic filters, in the order `apply_chain` runs them."""
     params = params or HeuristicsParams()
     filters: list[Filter] = []
+    markup = params.markup.enabled
     if params.gopher_repetition.enabled:
-        filters.append(GopherRepetitionFilter(params.gopher_repetition, words=params.words))
+        filters.append(GopherRepetitionFilter(params.gopher_repetition, words=params.words, markup=markup))
     if params.gopher_quality.enabled:
-        filters.append(GopherQualityFilter(params.gopher_quality, words=params.words))
+        filters.append(GopherQualityFilter(params.gopher_quality, words=params.words, markup=markup))
+    if params.records.enabled:
+        filters.append(RecordsFilter(params.records))
     reflow = (params.reflow.min_width, params.reflow.max_width) if params.reflow.enabled else None
     if params.c4.enabled:
-        filters.append(C4Filter(params.c4, reflow=reflow))
+        filters.append(C4Filter(params.c4, reflow=reflow, markup=markup))
     if params.fineweb_quality.enabled:
-        filters.append(FineWebQualityFilter(params.fineweb_quality, reflow=reflow))
+        filters.append(FineWebQualityFilter(params.fineweb_quality, reflow=reflow, markup=markup))
     return filters
 
 

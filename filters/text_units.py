@@ -857,6 +857,15 @@ class BatchText:
         self.texts = _as_array(texts)
         self.n = len(self.texts)
         self._reflowed: dict[tuple[int, int], BatchText] = {}
+        self._plain: BatchText | None = None
+
+    def plain(self) -> "BatchText":
+        """The units of these texts with their markup taken out (`filters.markup.markup_to_text`), cached."""
+        if self._plain is None:
+            from filters.markup import markup_to_text
+
+            self._plain = BatchText(markup_to_text(self.texts))
+        return self._plain
 
     def reflowed(self, min_width: int, max_width: int) -> "BatchText":
         """The units of these texts with hard-wrapped paragraphs joined (`reflow_hard_wrapped`), cached."""

@@ -13,7 +13,6 @@ from assay.config import load_params
 from assay.shards import read_manifest
 from assay.stages.dedup import (
     STAGE,
-    band_pairs,
     decide,
     exact_step,
     find_embeddings,
@@ -21,6 +20,10 @@ from assay.stages.dedup import (
     load_vectors,
     near_step,
     scan_shard,
+    signatures_file,
+    signatures_folder,
+    staged_band_pairs,
+    write_alive,
     write_shard,
 )
 from assay.stages.graph import upsert_graph
@@ -30,7 +33,7 @@ from flows.progress import wait_with_progress
 from flows.runners import task_runner
 
 scan_task = task(scan_shard, name="dedup-scan", cache_policy=NO_CACHE)
-band_task = task(band_pairs, name="dedup-lsh-band", cache_policy=NO_CACHE)
+band_task = task(staged_band_pairs, name="dedup-lsh-band", cache_policy=NO_CACHE)
 write_task = task(write_shard, name="dedup-write", cache_policy=NO_CACHE)
 graph_task = task(upsert_graph, name="dedup-graph", cache_policy=NO_CACHE)
 
@@ -76,16 +79,22 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
 
+    # The scans write their signatures to the staging area and return none: the band tasks read them
+    # from there, each only its band's columns, so no task and not this process holds the whole matrix.
+    staged = signatures_folder(out)
+    files = [signatures_file(staged, u.index) for u in units]
     scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
-                                             unmapped(params.io.batch_rows)), "dedup: hash + MinHash")
+                                             unmapped(params.io.batch_rows), files), "dedup: hash + MinHash")
     corpus = gather(scans)
     del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
     exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))
     alive = exact_kept == np.arange(len(corpus.ids))
     near_kept = None
-    if params.dedup.minhash.enabled and corpus.signatures is not None:
-        pairs = wait_with_progress(band_task.map(unmapped(corpus), unmapped(alive), list(range(params.dedup.minhash.bands)),
-                                                 unmapped(params.dedup)), "dedup: LSH bands")
+    if params.dedup.minhash.enabled:
+        alive_file = write_alive(alive, staged)
+        pairs = wait_with_progress(band_task.map(unmapped(files), unmapped(alive_file),
+                                                 list(range(params.dedup.minhash.bands)), unmapped(params.dedup)),
+                                   "dedup: LSH bands")
         near_kept = near_step(corpus, alive, pairs)
     vectors = embeddings_task(input_dir, corpus, params)
     verdicts = decide(corpus, exact_kept, near_kept, vectors, params.dedup)

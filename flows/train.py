@@ -61,8 +61,9 @@ def _launch(data, out, rev, resume, overwrite, allow_data_change, steps, device,
     if nnodes.isdigit():  # check the layout before starting N processes to say it is wrong
         layout = dataclasses.asdict(load_params(params_file).train.parallel)
         layout.update(parallel)
-        layout.pop("zero1")
-        ParallelDims(**layout, world_size=nproc * int(nnodes))
+        # Only the mesh sizes: train.parallel also holds per-mode options (zero1, pp_schedule, ...).
+        sizes = {f.name for f in dataclasses.fields(ParallelDims)} - {"world_size"}
+        ParallelDims(**{k: v for k, v in layout.items() if k in sizes}, world_size=nproc * int(nnodes))
     spec = Launch(nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts, parallel=parallel)
     print("launching: " + " ".join(spec.command(args)))
     code = launch(spec, args)

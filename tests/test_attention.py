@@ -330,3 +330,23 @@ def test_autocast_bfloat16_runs_and_tracks_float32():
     )
     ref = dynamic_sparse_attention(q, k, v, window=16, block=8, topk=2)
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)
+
+
+def test_two_python_threads_at_once_get_the_serial_results_and_the_thread_count_comes_back():
+    """Torch's thread count is process-wide and the CPU path sets it to 1 while its own
+    threads run: overlapping calls must not change results or leave the count changed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that every call takes the threaded path here
+    try:
+        inputs = [_qkv(B=1, H=2, N=256, D=16, seed=s) for s in range(4)]
+        expected = [dynamic_sparse_attention(*qkv, window=32, block=16, topk=2) for qkv in inputs]
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(3):
+                got = list(pool.map(lambda qkv: dynamic_sparse_attention(*qkv, window=32, block=16, topk=2), inputs))
+                for g, e in zip(got, expected):
+                    torch.testing.assert_close(g, e, rtol=0, atol=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -365,9 +365,10 @@ def test_fineweb_quality_settings():
 
 def test_build_heuristics_order_and_disabled_filters():
     assert [f.name for f in build_heuristics(HeuristicsParams())] == [
-        "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]
+        "gopher_repetition", "gopher_quality", "records", "c4", "fineweb_quality"]
     params = HeuristicsParams()
     params.gopher_quality.enabled = False
+    params.records.enabled = False
     params.c4.enabled = False
     filters = build_heuristics(params)
     assert [f.name for f in filters] == ["gopher_repetition", "fineweb_quality"]
@@ -564,9 +565,9 @@ def test_source_rules_accept_patterns_and_the_defaults_judge_plain_text_files_by
     assert rules_for("doc-news", rules) == ["gopher_quality"]  # then the first pattern that matches
     assert rules_for("man", rules) == ["fineweb_quality"] and rules_for("man", {"doc-*": ["c4"]}) is None
     defaults = params_from_dict({}).static
-    gopher = ["gopher_repetition", "gopher_quality"]
+    gopher = ["gopher_repetition", "gopher_quality", "records"]
     for source in ("doc-readme", "pypi-description", "pypi-record", "dpkg-manifest", "debian-changelog", "logs",
-                   "fresh-licence"):
+                   "fresh-licence", "fresh2-vim-help"):
         assert rules_for(source, defaults.source_rules) == gopher, source
     assert rules_for("man", defaults.source_rules) is None  # anything else: the whole chain
     b = pa.record_batch({

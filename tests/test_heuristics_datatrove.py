@@ -40,7 +40,7 @@ import pytest
 pytest.importorskip("datatrove")
 pytest.importorskip("spacy")
 
-from assay.config import HeuristicsParams, ReflowParams  # noqa: E402
+from assay.config import HeuristicsParams, MarkupParams, RecordsParams, ReflowParams  # noqa: E402
 from filters.heuristics import build_heuristics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +63,9 @@ def sample():
 @pytest.fixture(scope="module")
 def ours(sample):
     batch = bench.to_batch(sample)
-    # datatrove's words, and no reflow of wrapped paragraphs (ours, not datatrove's).
-    published = HeuristicsParams(words="datatrove", reflow=ReflowParams(enabled=False))
+    # datatrove's words; no reflow of wrapped paragraphs, no markup step, no records rule (ours, not datatrove's).
+    published = HeuristicsParams(words="datatrove", reflow=ReflowParams(enabled=False),
+                                 markup=MarkupParams(enabled=False), records=RecordsParams(enabled=False))
     return {f.name: f.apply(batch) for f in build_heuristics(published)}
 
 

@@ -141,8 +141,9 @@ def tiny_train_params(**overrides) -> TrainParams:
 
 
 def score_params(**overrides) -> ScoringParams:
+    # The raw reference gradient unless a test asks for Adam's preconditioning (the default).
     base = dict(reference={"man": 1.0, "python-stdlib": 0.3}, min_stratum_docs=3, max_rows=3,
-                batch_tokens=256, part_docs=16, device="cpu")
+                batch_tokens=256, part_docs=16, device="cpu", precondition="none")
     base.update(overrides)
     return ScoringParams(**base)
 
@@ -234,16 +235,15 @@ def test_reference_set_is_explicit_disjoint_and_never_judged(tiny, scored):
     assert m["reference"]["documents"] == len(listed) and m["reference"]["selection"] == {"man": 1.0, "python-stdlib": 0.3}
 
 
-def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored):
-    """End to end: the reference gradient and each document's gradient recomputed by plain
-    autograd from the run's checkpoint, rows built as training builds them."""
+def _autograd_gradients(tiny, table, n_docs: int = 6):
+    """The checkpoint's model; per kind, the reference set's gradient; and (row, loss, tokens, gradient) of
+    the first ``n_docs`` judged documents: all by plain autograd, rows built as training builds them."""
     from training.score import _resolve_checkpoints, load_model
     from training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny["run"])
     (ck,) = _resolve_checkpoints(tiny["run"], ["last"])
     model = load_model(ck.path, ck.state, tok.get_vocab_size(), torch.device("cpu"))
-    table = scored["table"].to_pylist()
     by_id = {r["sample_id"]: r for r in table}
     texts = {document_id(s, loc): (text, kind) for s, loc, text, kind, _ in tiny["rows"]}
 
@@ -262,16 +262,57 @@ def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored):
         members = [r["sample_id"] for r in table if r["reference"] and r["kind"] == kind]
         b = capped_batch(members)
         refs[kind] = flat_grad(token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum())
-    for doc_id in [r["sample_id"] for r in table if not r["reference"]][:6]:
+    docs = []
+    for doc_id in [r["sample_id"] for r in table if not r["reference"]][:n_docs]:
         b = capped_batch([doc_id])
         loss = token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum()
-        g = flat_grad(loss)
-        row = by_id[doc_id]
+        docs.append((by_id[doc_id], loss.item(), int(b.loss_mask.sum()), flat_grad(loss)))
+    return ck, model, refs, docs
+
+
+def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored):
+    """End to end: the reference gradient and each document's gradient recomputed by plain
+    autograd from the run's checkpoint, rows built as training builds them."""
+    _, _, refs, docs = _autograd_gradients(tiny, scored["table"].to_pylist())
+    for row, loss, tokens, g in docs:
         ref = refs[row["stratum"]]
-        assert row["tokens"] == int(b.loss_mask.sum())
-        assert row["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert row["tokens"] == tokens
+        assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
         assert row["alignment"] == pytest.approx(float(g @ ref / (g.norm() * ref.norm())), abs=1e-4)
+
+
+def test_adam_preconditioned_alignment_is_the_cosine_with_p_g(tiny, scored, tmp_path):
+    """score.precondition: adam: the cosine of each document's raw gradient with P * G, where
+    P = 1 / (sqrt(v_hat) + eps) is rebuilt here from AdamW's state as the trainer itself restores it."""
+    from training.checkpoint import load_checkpoint
+    from training.score import read_scores, score_dataset
+    from training.trainer import OPTIMIZER_DEFAULTS, build_optimizer
+
+    with pytest.raises(AssayError, match="precondition must be none or adam"):
+        score_params(precondition="sgd")
+    out = tmp_path / "scores"
+    manifest = score_dataset(tiny["run"], tiny["data"], out, score_params(precondition="adam"), progress=False)
+    assert manifest["params"]["precondition"] == "adam"
+    ck, model, refs, docs = _autograd_gradients(tiny, read_scores(out).to_pylist())
+    model.zero_grad(set_to_none=True)  # DCP initialises the optimizer's state only for gradient-free params
+    optimizer = build_optimizer(model, tiny_train_params())
+    load_checkpoint(ck.path, model, optimizer, {})
+    beta2, eps = OPTIMIZER_DEFAULTS["betas"][1], OPTIMIZER_DEFAULTS["eps"]
+    scale = []
+    for p in model.parameters():
+        state = optimizer.state[p]
+        v_hat = state["exp_avg_sq"].double() / (1 - beta2 ** float(state["step"]))
+        scale.append((1 / (v_hat.sqrt() + eps)).reshape(-1))
+    scale = torch.cat(scale)
+    raw = {r["sample_id"]: r["alignment"] for r in scored["table"].to_pylist()}
+    moved = 0
+    for row, loss, _, g in docs:
+        pg = scale * refs[row["stratum"]]
+        assert row["loss"] == pytest.approx(loss, rel=1e-5)
+        assert row["alignment"] == pytest.approx(float(g @ pg / (g.norm() * pg.norm())), abs=1e-4)
+        moved += abs(row["alignment"] - raw[row["sample_id"]]) > 1e-3
+    assert moved >= len(docs) // 2  # P is far from a constant: the preconditioned cosine is another signal
 
 
 def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):

@@ -157,8 +157,8 @@ def test_tier1_on_a_labelled_sample_meets_its_targets(pool, tmp_path):
     negatives from one part of the pool, the head is Platt-calibrated on the dev part, and the measured
     part is judged with params.yaml's settings. Targets: >= 80% of good prose kept, >= 90% of junk
     dropped, the head's ROC AUC >= 0.95 on every labelled document (not only the heuristics' survivors).
-    Tier 1 misses the first: it kept 77.6% of this sample's good prose (75.8% of the demo pool's measured
-    part, BENCHMARKS.md), so 70% is asserted; the published chain with the raw head kept about 35%."""
+    Measured here: 90.6% kept, 98.8% dropped, AUC 0.998 (with the markup step, the records rule and the
+    markup-stripped words head); before them 77.6% kept (the published chain with the raw head: about 35%)."""
     from pydoc_data.topics import topics
 
     from assay.ingest.demo import man_pages
@@ -191,7 +191,7 @@ def test_tier1_on_a_labelled_sample_meets_its_targets(pool, tmp_path):
     result = measure_tier1(measured, params, None, HeadScorer(tmp_path / "head"))
     assert result["heuristics"]["good"] >= 40 and result["heuristics"]["junk"] >= 60, result["heuristics"]
     assert result["head"]["auc"] >= 0.95, result["head"]
-    assert result["tier1"]["good_kept"] >= 0.7 and result["tier1"]["junk_dropped"] >= 0.9, result["tier1"]
+    assert result["tier1"]["good_kept"] >= 0.8 and result["tier1"]["junk_dropped"] >= 0.9, result["tier1"]
     assert result["heuristics"]["good_kept"] >= 0.8, result["heuristics"]
 
 
@@ -264,7 +264,7 @@ def test_fresh_labels_are_by_provenance_only():
     assert labels[-1] == UNLABELLED
     # Its kinds are plain-text files, judged by the rules params.yaml gives such files.
     static = Params().static
-    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality"] for k in kinds)
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"] for k in kinds)
 
 
 def test_the_fresh_set_reads_no_file_of_the_pool():
@@ -281,3 +281,54 @@ def test_the_fresh_set_reads_no_file_of_the_pool():
     assert not pool_files & set(fresh["path"])
     labels = fresh_labels(fresh["source"], [len(t) for t in fresh["text"]])
     assert (labels == GOOD).any() and (labels == JUNK).any()
+
+
+# --- fresh set 2 --------------------------------------------------------------------------
+
+
+def test_fresh2_labels_are_by_provenance_only_and_the_manifest_says_so():
+    """The committed manifest (written before any score) labels each document by its kind and, for
+    good kinds, the length floor: nothing else about the text."""
+    from assay.quality.fresh import FRESH_LABELS
+    from assay.quality.fresh2 import FRESH2_LABELS, KINDS, MANIFEST, RULES, label_of, read_manifest
+    from filters.heuristics import rules_for
+
+    assert set(FRESH2_LABELS) == set(KINDS) == set(RULES)
+    assert not set(FRESH2_LABELS) & (set(POOL_LABELS) | set(FRESH_LABELS) | set(POOL_SOURCES))
+    for kind, label in FRESH2_LABELS.items():
+        assert label_of(kind, "x" * MIN_GOOD_CHARS) == label
+        assert label_of(kind, "x") == (JUNK if label == JUNK else UNLABELLED)
+    rows = read_manifest(MANIFEST)
+    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
+    names = {GOOD: "good", JUNK: "junk", UNLABELLED: "unlabelled"}
+    for row in rows:
+        assert row["label"] == names[label_of(row["kind"], "x" * int(row["chars"]))], row
+        assert row["rule"] == (RULES[row["kind"]] if row["label"] != "unlabelled" else
+                               "unlabelled: good kind under 1000 chars")
+    labels = [r["label"] for r in rows]
+    assert labels.count("good") >= 100 and labels.count("junk") >= 100
+    static = Params().static
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
+               for k in FRESH2_LABELS)
+
+
+def test_fresh2_reads_no_file_of_the_earlier_sets():
+    from assay.ingest.demo import dist_info_files, doc_files, dpkg_manifests, log_files, metadata_files
+    from assay.quality.fresh import FILE_KINDS, python_roots
+    from assay.quality.fresh2 import _project, new_dist_infos, read_fresh2, read_manifest
+
+    rows = read_manifest()
+    docs, labels, missing = read_fresh2()
+    if len(docs["id"]) < 0.9 * len(rows):
+        pytest.skip(f"this machine lacks fresh set 2's files ({missing})")
+    earlier = {str(p) for p in metadata_files() + dist_info_files("RECORD") + dist_info_files("entry_points.txt")
+               + doc_files(lambda name: True) + dpkg_manifests() + log_files()}
+    for lister in FILE_KINDS.values():
+        earlier |= {str(p) for p in lister()}
+    paths = {locator.split("#", 1)[0] for locator in docs["path"]}
+    assert not paths & earlier
+    # Wheels: only projects that no root of the pool or the first fresh set has.
+    seen = {_project(p) for root in python_roots() for p in root.glob("*.dist-info")}
+    assert not {_project(p) for p in new_dist_infos()} & seen
+    assert len(set(docs["text"])) == len(docs["text"])  # each text once
+    assert (labels == GOOD).sum() >= 100 and (labels == JUNK).sum() >= 100

@@ -68,6 +68,31 @@ def test_rows_make_every_token_a_target_exactly_once():
     assert (batch.targets[batch.loss_mask] != rows.pad_id).all()
 
 
+def test_cached_rows_equal_the_in_memory_rows_are_memory_mapped_and_reused(tmp_path):
+    from training.data import cached_rows
+
+    docs = [("a", "alpha beta gamma " * 30), ("b", "x"), ("c", "def f():\n    return 1\n" * 9), ("d", "")]
+    tok = train_tokenizer([t for _, t in docs], 300)
+    made = build_rows(docs, tok, seq_len=16)
+    cached = cached_rows(tmp_path / "rows", "k1", iter(docs), tok, seq_len=16, encode_batch=2)
+    assert isinstance(cached.tokens, np.memmap)  # the tokens stay on disk
+    assert np.array_equal(cached.tokens, made.tokens) and np.array_equal(cached.lengths, made.lengths)
+    assert np.array_equal(cached.doc, made.doc) and cached.doc_ids == made.doc_ids
+    assert cached.pad_id == made.pad_id
+
+    def not_again():
+        raise AssertionError("the cache was not reused")
+        yield
+
+    again = cached_rows(tmp_path / "rows", "k1", not_again(), tok, seq_len=16)
+    assert np.array_equal(again.tokens, made.tokens)
+    # A killed writer's temporary is never read, and the next writer clears it; another key replaces k1.
+    (tmp_path / "rows" / ".k2.tmp-999999999").mkdir()
+    other = cached_rows(tmp_path / "rows", "k2", iter(docs[:1]), tok, seq_len=16)
+    assert other.doc_ids == ["a"]
+    assert sorted(p.name for p in (tmp_path / "rows").iterdir()) == ["k2"]
+
+
 def test_batches_are_a_pure_function_of_seed_and_step():
     first_epoch = np.concatenate([batch_rows(10, 5, s, seed=3) for s in range(2)])
     assert sorted(first_epoch.tolist()) == list(range(10))  # an epoch is a permutation
@@ -160,6 +185,7 @@ def test_training_writes_the_run_and_telemetry_contract(stdlib_data, tmp_path):
     run = tmp_path / "run"
     for name in ("tokenizer.json", "history.jsonl", "metrics.json", "checkpoints/latest"):
         assert (run / name).exists(), name
+    assert len(list((run / "rows").glob("*/*/tokens.int32"))) == 2  # training and held-out rows, on disk
     assert json.loads((run / "metrics.json").read_text()) == m
     assert 0 < m["val_accuracy"] < 1 and m["val_loss"] > 0 and m["val_rows"] > 0
     assert m["data"]["data_hash"].startswith("local-") and m["data"]["tracked"] is False

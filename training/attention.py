@@ -253,19 +253,55 @@ def _run_parallel(work: Callable, items: list, device_type: str) -> None:
                     return
                 work(item)
 
-    threads = torch.get_num_threads()
+    with _SINGLE_THREADED_TORCH:
+        threads = _SINGLE_THREADED_TORCH.saved or torch.get_num_threads()
     workers = min(threads, len(items)) if device_type == "cpu" else 1
     if workers <= 1:
         loop(iter(items), threading.Lock())
         return
-    torch.set_num_threads(1)
-    try:
+    with _SINGLE_THREADED_TORCH.held():
         queue, lock = iter(items), threading.Lock()
         with ThreadPoolExecutor(workers) as pool:
             for f in [pool.submit(loop, queue, lock) for _ in range(workers)]:
                 f.result()
-    finally:
-        torch.set_num_threads(threads)
+
+
+class _TorchThreads:
+    """Torch's thread count is process-wide: calls that overlap (two Python threads each
+    running sparse attention) share one saved value, set 1 on the first entry and restored
+    on the last exit, so an overlapping call can neither read the 1 as the user's setting
+    nor restore it too early."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self.saved: int | None = None
+
+    def __enter__(self) -> _TorchThreads:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self.saved = torch.get_num_threads()
+                torch.set_num_threads(1)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    torch.set_num_threads(self.saved)
+                    self.saved = None
+
+
+_SINGLE_THREADED_TORCH = _TorchThreads()
 
 
 def _gather(q, k, v, rows, chunk: Chunk):

@@ -175,13 +175,17 @@ def load_checkpoint(checkpoint: str | Path, model: nn.Module, optimizer: torch.o
     except pickle.UnpicklingError as exc:
         raise AssayError(f"refusing to load {checkpoint}: {exc}") from None
     # get_state_dict initialises empty optimizer state, so DCP has tensors to load into.
-    state, _ = _tensor_state(model, optimizer, tensors)
+    state, own_groups = _tensor_state(model, optimizer, tensors)
     with _single_process_ok():
         dcp.load(state, storage_reader=reader)
-    groups = trainer["param_groups"]
-    for group in groups:  # JSON turned tuples into lists
-        if "betas" in group:
-            group["betas"] = tuple(group["betas"])
+    # The hyperparameters were written once, by rank 0, under rank 0's parameter names; a rank
+    # holding other parameters (a pipeline stage, other experts) would find none of its own
+    # among them. Every rank has the same groups in the same order, so they go by position.
+    saved = trainer["param_groups"]
+    if len(saved) != len(own_groups):
+        raise AssayError(f"{checkpoint} has {len(saved)} optimizer parameter groups, this run {len(own_groups)}")
+    groups = [{**{k: tuple(v) if k == "betas" else v for k, v in hyper.items()}, "params": own["params"]}
+              for own, hyper in zip(own_groups, saved)]  # JSON turned the betas tuple into a list
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict={"state": state["optim"], "param_groups": groups})
     for name, tensor in tensors.items():

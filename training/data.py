@@ -13,8 +13,11 @@ so a resumed run draws the very batches the uninterrupted one would have.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import os
+import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +25,7 @@ from tokenizers import Tokenizer
 
 from training.tokenizer import EOS, PAD
 
-__all__ = ["Batch", "TokenRows", "batch_rows", "build_rows", "is_holdout", "make_batch"]
+__all__ = ["Batch", "TokenRows", "batch_rows", "build_rows", "cached_rows", "is_holdout", "make_batch"]
 
 
 def is_holdout(doc_id: str, fraction: float) -> bool:
@@ -71,21 +74,17 @@ class Batch:
         return int(self.loss_mask.sum())
 
 
-def build_rows(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: int,
-               encode_batch: int = 256) -> TokenRows:
-    """Tokenize ``(id, text)`` pairs (EOS appended) into rows of ``seq_len + 1`` tokens.
-
-    Consecutive rows of a document overlap by one token, so every token but the
-    first is a target exactly once.
-    """
+def _row_blocks(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: int, doc_ids: list[str],
+                encode_batch: int = 256) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(tokens (r, seq_len + 1) padded, lengths (r,), doc index (r,)) for each batch of documents
+    encoded; appends each document's id to ``doc_ids`` as it gets its index."""
     eos, pad = tokenizer.token_to_id(EOS), tokenizer.token_to_id(PAD)
     width = seq_len + 1
-    chunks: list[np.ndarray] = []
-    doc_of_row: list[int] = []
-    doc_ids: list[str] = []
     pending: list[tuple[str, str]] = []
 
-    def flush() -> None:
+    def flush() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        chunks: list[np.ndarray] = []
+        doc_of_row: list[int] = []
         encoded = tokenizer.encode_batch([text for _, text in pending], add_special_tokens=False)
         for (doc_id, _), enc in zip(pending, encoded):
             ids = np.asarray(enc.ids + [eos], dtype=np.int32)
@@ -97,19 +96,94 @@ def build_rows(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: i
                 chunks.append(ids[start:start + width])
                 doc_of_row.append(index)
         pending.clear()
+        tokens = np.full((len(chunks), width), pad, dtype=np.int32)
+        lengths = np.zeros(len(chunks), dtype=np.int32)
+        for r, chunk in enumerate(chunks):
+            tokens[r, :len(chunk)] = chunk
+            lengths[r] = len(chunk)
+        return tokens, lengths, np.asarray(doc_of_row, dtype=np.int64)
 
     for doc in docs:
         pending.append(doc)
         if len(pending) >= encode_batch:
-            flush()
+            yield flush()
     if pending:
-        flush()
-    tokens = np.full((len(chunks), width), pad, dtype=np.int32)
-    lengths = np.zeros(len(chunks), dtype=np.int32)
-    for r, chunk in enumerate(chunks):
-        tokens[r, :len(chunk)] = chunk
-        lengths[r] = len(chunk)
-    return TokenRows(tokens, lengths, np.asarray(doc_of_row, dtype=np.int64), doc_ids, pad)
+        yield flush()
+
+
+def build_rows(docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: int,
+               encode_batch: int = 256) -> TokenRows:
+    """Tokenize ``(id, text)`` pairs (EOS appended) into rows of ``seq_len + 1`` tokens, in memory.
+
+    Consecutive rows of a document overlap by one token, so every token but the
+    first is a target exactly once.
+    """
+    doc_ids: list[str] = []
+    blocks = list(_row_blocks(docs, tokenizer, seq_len, doc_ids, encode_batch))
+    width = seq_len + 1
+    pad = tokenizer.token_to_id(PAD)
+    if not blocks:
+        return TokenRows(np.full((0, width), pad, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64), doc_ids, pad)
+    tokens, lengths, doc = (np.concatenate(parts) for parts in zip(*blocks))
+    return TokenRows(tokens, lengths, doc, doc_ids, pad)
+
+
+def _abandoned(name: str) -> bool:
+    """A temporary (``.KEY.tmp-PID``) whose writer is gone; a live writer's (another rank's) is left alone."""
+    if not name.startswith(".") or ".tmp-" not in name:
+        return False
+    try:
+        os.kill(int(name.rsplit("-", 1)[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+    return False
+
+
+def cached_rows(cache: Path, key: str, docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: int,
+                encode_batch: int = 256) -> TokenRows:
+    """``build_rows``, written to ``cache`` as it is made and read back memory-mapped.
+
+    Training then holds only the rows' index (lengths, documents) in memory, never the
+    corpus's tokens: a batch reads its rows' pages from the file. ``key`` names what the
+    rows were made from (data, tokenizer, sequence length); a cache with the same key is
+    reused as it is (a resumed run does not tokenize again); writing another key removes the
+    folder's other keys, so give each set of rows its own folder.
+    The cache is written under a temporary name and renamed whole, so a killed run
+    leaves none half-written, and ranks of one run can race to write it.
+    """
+    cache = Path(cache)
+    done = cache / key
+    if not (done / "index.npz").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        doc_ids: list[str] = []
+        lengths, doc = [], []
+        with open(tmp / "tokens.int32", "wb") as handle:
+            for block_tokens, block_lengths, block_doc in _row_blocks(docs, tokenizer, seq_len, doc_ids, encode_batch):
+                handle.write(np.ascontiguousarray(block_tokens).tobytes())
+                lengths.append(block_lengths)
+                doc.append(block_doc)
+            handle.flush()
+            os.fsync(handle.fileno())
+        np.savez(tmp / "index.npz", lengths=np.concatenate(lengths or [np.zeros(0, np.int32)]),
+                 doc=np.concatenate(doc or [np.zeros(0, np.int64)]), doc_ids=np.asarray(doc_ids, dtype=object),
+                 width=seq_len + 1, pad=tokenizer.token_to_id(PAD))
+        try:
+            os.replace(tmp, done)
+        except OSError:  # another rank finished the same rows first
+            shutil.rmtree(tmp, ignore_errors=True)
+        for stale in cache.iterdir():  # rows of another key, or a killed writer's temporary
+            if (stale / "index.npz").is_file() and stale.name != key or _abandoned(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+    index = np.load(done / "index.npz", allow_pickle=True)
+    width, n = int(index["width"]), len(index["lengths"])
+    tokens = (np.memmap(done / "tokens.int32", dtype=np.int32, mode="r", shape=(n, width)) if n
+              else np.zeros((0, width), np.int32))
+    return TokenRows(tokens, index["lengths"], index["doc"], index["doc_ids"].tolist(), int(index["pad"]))
 
 
 def batch_rows(n_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:

@@ -71,6 +71,14 @@ per-document squared norms to an accumulator and drops the saved input. Nothing 
 the gradients themselves, so ``.grad`` ends up exactly as a plain ``loss.backward()``
 leaves it. Hooks live only inside a context manager.
 
+Tensor parallelism (DTensor weights and activations on a 1-D mesh, training.parallel.tensor_parallel):
+the hooks run before the plan's output hooks, so they see each module's own DTensor input and
+output. Every rank computes the squared norms of the weight block it holds, from the matching
+slices of ``a`` and ``g`` (a column-parallel Linear's output features, a row-parallel one's input
+features, an embedding's vocabulary rows; sequence-sharded operands are gathered first), and the
+per-document sums are all-reduced over the mesh. A replicated weight (the norms under sequence
+parallel) has the same squared norm on every rank: only the mesh's first rank adds it.
+
 Models with parameters this module cannot attribute (an unknown module type owning
 parameters, a parameter shared between modules) fall back, with a warning, to
 :func:`per_document_grad_norms_reference` (one more forward, and a backward per document).
@@ -85,8 +93,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from training.model import RMSNorm
 from training.moe import MoE
@@ -261,12 +271,17 @@ def _linear_sq_norms(
     return out
 
 
-def _embedding_sq_norms(module: nn.Embedding, tok: torch.Tensor, g: torch.Tensor, rows: _Rows) -> torch.Tensor:
+def _embedding_sq_norms(module: nn.Embedding, tok: torch.Tensor, g: torch.Tensor, rows: _Rows,
+                        vocab: tuple[int, int] | None = None) -> torch.Tensor:
+    """``vocab``: (first, size) of the rows of the table this rank holds, if it holds a shard."""
     tok = tok.reshape(-1)
     g = g.reshape(tok.numel(), -1)
     doc = rows.row_doc.repeat_interleave(tok.numel() // rows.n_rows)
     if module.padding_idx is not None:  # that row of the table never receives gradient
         keep = tok != module.padding_idx
+        tok, g, doc = tok[keep], g[keep], doc[keep]
+    if vocab is not None:
+        keep = (tok >= vocab[0]) & (tok < vocab[0] + vocab[1])
         tok, g, doc = tok[keep], g[keep], doc[keep]
     key = doc * module.num_embeddings + tok
     unique, inverse = torch.unique(key, return_inverse=True)
@@ -288,6 +303,63 @@ def _rmsnorm_sq_norms(per_token: torch.Tensor, rows: _Rows) -> torch.Tensor:
     per_row = per_token.reshape(rows.n_rows, -1, per_token.shape[-1]).sum(1)
     per_doc = per_row.new_zeros(rows.n_docs, per_row.shape[1])
     return per_doc.index_add_(0, rows.row_doc, per_row).pow(2).sum(1).double()
+
+
+# ------------------------------------------------------------------ tensor parallel
+@dataclass
+class _Shard:
+    """Which piece of a module's weight this rank holds when the model runs on DTensors (tensor
+    parallel): the 1-D mesh, and the local block's shape and offset in the whole weight."""
+
+    mesh: object  # DeviceMesh
+    shape: tuple[int, ...] | None  # None: the weight is whole here (replicated or a plain tensor)
+    offset: tuple[int, ...] | None
+
+    @property
+    def sharded(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def counted_here(self) -> bool:
+        """A shard's squared norm is this rank's alone; a replicated weight's is the same on
+        every rank, so only the mesh's first rank adds it."""
+        return self.sharded or self.mesh.get_local_rank() == 0
+
+
+def _shard_of(module: nn.Module, x, output) -> _Shard | None:
+    """Read in the forward, when the weight is the one the kernel uses (FSDP2 has gathered its
+    data-parallel shards; what is left is the tensor-parallel layout)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, DTensor):
+        if weight.device_mesh.ndim != 1:
+            raise RuntimeError("per-document ghost norms need each weight laid out on a 1-D (tensor-parallel) "
+                               f"mesh in the forward, not {weight.device_mesh}")
+        if not any(p.is_shard() for p in weight.placements):
+            return _Shard(weight.device_mesh, None, None)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        return _Shard(weight.device_mesh, tuple(shape), tuple(offset))
+    for t in (x, output):
+        if isinstance(t, DTensor):
+            return _Shard(t.device_mesh, None, None)
+    return None
+
+
+def _features(t: torch.Tensor, offset: int | None, size: int | None) -> torch.Tensor:
+    """The whole-batch activation's features ``[offset, offset + size)`` (all when None) as a
+    plain tensor: a DTensor already split that way over the features is used as it is, anything
+    else (split along the sequence, a partial sum) is gathered first."""
+    if isinstance(t, DTensor):
+        p = t.placements[0]
+        local = t.to_local()
+        if (size is not None and p.is_shard() and p.dim % t.ndim == t.ndim - 1 and local.shape[-1] == size
+                and offset == t.device_mesh.get_local_rank() * size):
+            return local
+        t = t.full_tensor()
+    if size is None or (offset == 0 and size == t.shape[-1]):
+        return t
+    return t[..., offset : offset + size]
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -364,6 +436,8 @@ class _GhostNorms:
         self.capturing = True  # False after the forward: recomputation (checkpointing) is ignored
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.outputs: list[torch.Tensor] = []  # hooked outputs: the backward's targets without weight gradients
+        #: Tensor parallel: the mesh whose ranks each hold part of ``sq_norms`` (summed after the backward).
+        self.mesh = None
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not self.capturing:
@@ -387,7 +461,10 @@ class _GhostNorms:
                 f"{type(module).__name__} input {tuple(args[0].shape)} does not hold one entry per "
                 f"batch position ({self.rows.n_rows} x {self.rows.seq_len})"
             )
-        saved = {"x": args[0], "out_dtype": output.dtype, "dispatch": dispatch}
+        saved = {"x": args[0], "out_dtype": output.dtype, "dispatch": dispatch,
+                 "shard": _shard_of(module, args[0], output)}
+        if saved["shard"] is not None and self.observers:
+            raise RuntimeError("per-layer observers do not support tensor-parallel (DTensor) layers")
         self.outputs.append(output)
         self.handles.append(output.register_hook(lambda g: self._on_grad(module, saved, g)))
 
@@ -395,7 +472,13 @@ class _GhostNorms:
         # Hooks run inside the backward: no graph, and no autocast from the caller's context.
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
             layer = self._layer(module, saved, g)
-            self.sq_norms += self._sq_norms(layer)
+            shard = saved["shard"]
+            if shard is None:
+                self.sq_norms += self._sq_norms(layer)
+            else:
+                self.mesh = shard.mesh
+                if shard.counted_here:
+                    self.sq_norms += self._sq_norms(layer, shard)
             for observe in self.observers:
                 observe(layer, self.rows)
         saved.clear()  # free the input now rather than at the end of the step
@@ -404,6 +487,8 @@ class _GhostNorms:
         x, rows = saved["x"], self.rows
         dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
         kind = self.plan.kinds[module]
+        if saved["shard"] is not None:
+            x, g = _shard_operands(kind, x, g, saved["shard"])
         if kind == "embedding":
             return LayerGrad(module, kind, x, g.to(dtype))
         if kind == "rmsnorm":
@@ -424,10 +509,11 @@ class _GhostNorms:
             g = g.new_zeros(rows.n_rows, m, g.shape[1]).index_put_((row, slot), g)
         return LayerGrad(module, kind, a, g)
 
-    def _sq_norms(self, layer: LayerGrad) -> torch.Tensor:
+    def _sq_norms(self, layer: LayerGrad, shard: _Shard | None = None) -> torch.Tensor:
         module, rows = layer.module, self.rows
         if layer.kind == "embedding":
-            return _embedding_sq_norms(module, layer.x, layer.g, rows)
+            vocab = (shard.offset[0], shard.shape[0]) if shard is not None and shard.sharded else None
+            return _embedding_sq_norms(module, layer.x, layer.g, rows, vocab)
         if layer.kind == "rmsnorm":
             return _rmsnorm_sq_norms(layer.g, rows)
         weight = module.weight.requires_grad
@@ -442,6 +528,22 @@ class _GhostNorms:
         return _linear_sq_norms(layer.x, layer.g, rows, weight, bias, self.method, visit if visitors else None)
 
 
+def _shard_operands(kind: str, x, g, shard: _Shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain whole-batch operands for the gradient of this rank's block of the weight: a Linear's
+    ``W[o:o+m, i:i+n]`` gets ``g[..., o:o+m]`` and ``x[..., i:i+n]``; an embedding's rows
+    ``[v, v+m)`` (filtered by token later) and columns ``[c, c+n)`` get ``g[..., c:c+n]``; an RMSNorm's
+    ``x`` stays whole (its rsqrt needs every feature), ``g`` is cut like its weight."""
+    shape, offset = shard.shape, shard.offset
+    if kind == "linear":
+        return (_features(x, offset and offset[1], shape and shape[1]),
+                _features(g, offset and offset[0], shape and shape[0]))
+    if kind == "embedding":
+        return _features(x, None, None), _features(g, offset and offset[1], shape and shape[1])
+    if shard.sharded and shape[0] != g.shape[-1]:
+        raise RuntimeError("per-document ghost norms: a feature-sharded RMSNorm weight is not supported")
+    return _features(x, None, None), _features(g, None, None)
+
+
 def _width(module: nn.Module, x: torch.Tensor) -> int:
     """Features per position of a module input (1 for an embedding's token ids)."""
     return 1 if isinstance(module, nn.Embedding) else x.shape[-1]
@@ -452,7 +554,9 @@ def _ghost_norm_hooks(
     plan: _Plan, rows: _Rows, method: Method, observers: Sequence[LayerObserver] = ()
 ) -> Iterator[_GhostNorms]:
     ghost = _GhostNorms(plan, rows, method, observers)
-    ghost.handles.extend(m.register_forward_hook(ghost._forward_hook) for m in plan.kinds)
+    # prepend: under tensor parallelism, see the module's own DTensor output (its layout says which
+    # shard of the gradient this rank holds), before the plan's hook redistributes it.
+    ghost.handles.extend(m.register_forward_hook(ghost._forward_hook, prepend=True) for m in plan.kinds)
     try:
         yield ghost
     finally:
@@ -527,6 +631,8 @@ def per_document_loss_and_grad_norm(
             # Asking for the hooked outputs' gradients only prunes every weight-gradient product.
             torch.autograd.grad(loss * loss_scale, ghost.outputs, allow_unused=True)
     sq_norms = ghost.sq_norms
+    if ghost.mesh is not None:  # tensor parallel: each rank added the squared norms of its shards
+        dist.all_reduce(sq_norms, group=ghost.mesh.get_group())
 
     doc_loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
     doc_loss_sum.index_add_(0, doc_index, token_loss.detach().sum(1).double())

@@ -17,6 +17,7 @@ Module names are fixed for parallel plans: ``tok_embeddings``, ``layers.{i}.atte
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     xf = x if x.dtype == torch.float64 else x.float()
     xc = torch.view_as_complex(xf.reshape(*x.shape[:-1], -1, 2))
-    rotation = torch.complex(cos, sin)[None, :, None, :]
+    # FSDP2 casts forward inputs (cos and sin too) to bf16 under mixed precision; complex needs fp32+.
+    rotation = torch.complex(cos.to(xf.dtype), sin.to(xf.dtype))[None, :, None, :]
     return torch.view_as_real(xc * rotation).flatten(-2).type_as(x)
 
 
@@ -114,6 +116,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.dim, bias=False)
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
+        #: Replaces the attention over (B, H, N, D) q, k, v when set: a layout that shards the
+        #: sequence (context parallel) installs its own kernel. None: ``kind`` chooses.
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def init_weights(self, init_std: float, generator: torch.Generator | None = None) -> None:
         for lin in (self.wq, self.wk, self.wv):
@@ -130,7 +135,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, n, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-        if self.kind == "sparse":
+        if self.kernel is not None:
+            o = self.kernel(q, k, v)
+        elif self.kind == "sparse":
             # Lazy: the dense path must not depend on training.attention.
             from training.attention import dynamic_sparse_attention
 
@@ -187,6 +194,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        #: The global positions of the ``n`` tokens a forward sees, when they are not ``0 .. n-1``
+        #: (a layout that gives this process part of each sequence sets it). None: ``0 .. n-1``.
+        self.rope_positions: Callable[[int], torch.Tensor] | None = None
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -222,7 +232,11 @@ class Transformer(nn.Module):
         n = tokens.shape[1]
         if n > self.args.max_seq_len:
             raise ValueError(f"sequence length {n} > max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:n], self.rope_sin[:n]
+        if self.rope_positions is None:
+            cos, sin = self.rope_cos[:n], self.rope_sin[:n]
+        else:
+            positions = self.rope_positions(n)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         # Pipeline stages may drop the embedding / head (set to None): pass hidden states through.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():

@@ -71,7 +71,7 @@ from training.model import Transformer
 from training.tokenizer import TOKENIZER_FILE, load_tokenizer
 from training.trainer import build_model, precision_context
 
-__all__ = ["REFERENCE_FILE", "read_scores", "score_dataset", "select_reference"]
+__all__ = ["REFERENCE_FILE", "adam_preconditioner", "read_scores", "score_dataset", "select_reference"]
 
 REFERENCE_FILE = "reference.txt"
 FORMAT = "assay-scores/1"
@@ -296,6 +296,37 @@ def load_model(checkpoint: Path, state: dict, vocab_size: int, device: torch.dev
 
 
 # ------------------------------------------------------------------ reference gradients
+def adam_preconditioner(checkpoint: Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """Adam's diagonal preconditioner at ``checkpoint``, ``1 / (sqrt(v_hat) + eps)`` per trainable
+    parameter (``v_hat``: the second moment, bias-corrected at its step; betas and eps as trained).
+
+    ``score.precondition: adam`` compares a document's raw gradient with ``P G`` instead of ``G``:
+    ``g . (P G)`` is the first-order change of the clean loss along the step Adam would take on
+    the reference, and a diagonal scaling of ``G`` changes nothing in the one-backward algebra."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    groups = read_trainer_state(checkpoint).get("param_groups") or []
+    hyper = {n: g for g in groups for n in g.get("params", [])}
+    state = {"optim": {n: {"exp_avg_sq": torch.empty_like(params[n], device="cpu"),
+                           "step": torch.tensor(0.0)} for n in names}}
+    try:
+        with _single_process_ok(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=SafeReader(str(checkpoint)))
+    except Exception as exc:  # DCP wraps a missing key in a per-rank dump; say it in one line
+        raise AssayError(f"score.precondition: adam needs the optimizer state in {checkpoint}; "
+                         f"it could not be read ({type(exc).__name__})") from None
+    out = {}
+    for n in names:
+        beta2, eps = (hyper.get(n, {}).get("betas") or (0.9, 0.999))[1], hyper.get(n, {}).get("eps", 1e-8)
+        step = float(state["optim"][n]["step"])
+        if step < 1:
+            raise AssayError(f"score.precondition: adam: {checkpoint} has no optimizer step for {n}")
+        v_hat = state["optim"][n]["exp_avg_sq"].double() / (1 - beta2 ** step)
+        out[n] = (1.0 / (v_hat.sqrt() + eps)).float().to(params[n].device)
+    return out
+
+
 def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, params: ScoringParams,
                          precision: str, device: torch.device) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     """Per stratum, the gradient of the reference documents' mean token loss (fp32)."""
@@ -518,6 +549,12 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
                                                tokenizer, seq_len, params.max_rows)
                 r0 = time.perf_counter(), time.process_time()
                 grads, info = _reference_gradients(model, reference_rows, docs, params, precision, dev)
+                if params.precondition == "adam":
+                    scale = adam_preconditioner(ck.path, model)
+                    grads = {s: {n: g * scale[n].to(g) for n, g in by_name.items()} for s, by_name in grads.items()}
+                    for s in info:
+                        info[s]["preconditioned_norm"] = float(sum(t.double().pow(2).sum()
+                                                                   for t in grads[s].values())) ** 0.5
                 info = {"strata": info, "reference_seconds": round(time.perf_counter() - r0[0], 3),
                         "reference_cpu_seconds": round(time.process_time() - r0[1], 3)}
                 buffer = io.BytesIO()

@@ -7,6 +7,7 @@ One run directory holds everything a run makes::
     telemetry/           per document per step: loss, gradient norm, flags (DESIGN.md contract)
     history.jsonl        per step: loss, gradient norm, learning rate, tokens, skipped, MoE load
     metrics.json         final loss, validation loss and next-token accuracy, data identity
+    rows/                the token rows, memory-mapped: training never holds the corpus's tokens
     profile/             a torch.profiler trace, with --profile
 
 The step loop, in order: batch of step s (a pure function of the seed and s) →
@@ -41,7 +42,7 @@ from assay.errors import AssayError
 from assay.shards import atomic_write_bytes, atomic_write_json
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
-from training.data import TokenRows, batch_rows, build_rows, is_holdout, make_batch
+from training.data import TokenRows, batch_rows, cached_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.parallel.distributed import init_distributed
@@ -54,6 +55,7 @@ __all__ = ["TrainResult", "train"]
 
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
+ROWS_DIR = "rows"  # the token rows, memory-mapped (training.data.cached_rows)
 
 
 @dataclass
@@ -96,12 +98,22 @@ def tokenizer_texts(version: DatasetVersion, params: TrainParams) -> Iterator[st
             return
 
 
-def _rows(version: DatasetVersion, tokenizer, params: TrainParams) -> tuple[TokenRows, TokenRows]:
-    # Two streaming passes rather than one held in memory: Parquet reads are cheap next to tokenizing.
-    train = build_rows(((i, t) for i, t, held in _split_docs(version, params.holdout) if not held),
+def _rows(version: DatasetVersion, tokenizer, params: TrainParams, out: Path) -> tuple[TokenRows, TokenRows]:
+    """The training and held-out rows, memory-mapped from ``out/rows`` (made on first use).
+
+    Two streaming passes rather than one held in memory: Parquet reads are cheap next to
+    tokenizing. The cache key is everything the rows depend on, so a resumed run reuses
+    them and a run on other data or another tokenizer makes new ones.
+    """
+    made_from = json.dumps({"data": version.data_hash, "tokenizer": tokenizer.to_str(), "seq_len": params.seq_len,
+                            "holdout": params.holdout}, sort_keys=True)
+    key = hashlib.blake2b(made_from.encode(), digest_size=8).hexdigest()
+    train = cached_rows(out / ROWS_DIR / "train", key,
+                        ((i, t) for i, t, held in _split_docs(version, params.holdout) if not held),
+                        tokenizer, params.seq_len)
+    held = cached_rows(out / ROWS_DIR / "held", key,
+                       ((i, t) for i, t, held in _split_docs(version, params.holdout) if held),
                        tokenizer, params.seq_len)
-    held = build_rows(((i, t) for i, t, held in _split_docs(version, params.holdout) if held),
-                      tokenizer, params.seq_len)
     return train, held
 
 
@@ -230,7 +242,7 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
 
 
 def _wipe(out: Path) -> None:
-    for name in ("checkpoints", "telemetry", "profile", "tokenizer.json", HISTORY_FILE, METRICS_FILE):
+    for name in ("checkpoints", "telemetry", "profile", ROWS_DIR, "tokenizer.json", HISTORY_FILE, METRICS_FILE):
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -275,7 +287,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         world.on_main(lambda: save_tokenizer(
             given or train_tokenizer(tokenizer_texts(version, params), params.vocab_size), out))
     tokenizer = load_tokenizer(out)
-    train_rows, held_rows = _rows(version, tokenizer, params)
+    train_rows, held_rows = _rows(version, tokenizer, params, out)
     if len(train_rows) == 0:
         raise AssayError(f"{version.path} has no training text (after holding out {params.holdout:.0%})")
 
@@ -327,8 +339,12 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 group["lr"] = lr
             with precision_context(params.precision, dev):
                 # A rank without documents runs a masked placeholder row: nothing to attribute.
-                norms = params.telemetry.grad_norms if local.has_documents else "off"
-                loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, local.loss_scale)
+                norms = par.telemetry_grad_norms(params.telemetry.grad_norms) if local.has_documents else "off"
+                if par.pipelined:  # pp: the schedule runs forward and backward over the stages
+                    loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch)
+                else:
+                    loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, local.loss_scale)
+            doc_loss, doc_tokens = par.document_losses(doc_loss, doc_tokens)
             loss = par.global_loss(loss, batch.n_tokens, local.global_tokens)
             par.sum_moe_loads(model, local.has_documents)
             grad_norm = par.clip_grad_norm(model, params.grad_clip)
@@ -354,7 +370,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                     moe.tokens_per_expert.zero_()
             optimizer.zero_grad(set_to_none=True)
 
-            if local.has_documents:
+            if local.has_documents and par.writes_telemetry:
                 telemetry.add_step(step, batch.doc_ids, doc_loss.float().tolist(),
                                    None if doc_norm is None else doc_norm.float().tolist(),
                                    doc_tokens.tolist(), reason)
@@ -382,10 +398,11 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         # The mean of the last 10 steps: one batch's loss is a noisy summary.
         "final_loss_mean10": float(np.mean([h["loss"] for h in history[-10:]])) if history else None,
         "skipped_steps": sum(1 for h in history if h["skipped"]),
-        **evaluate(model, held_rows, params, dev),
+        **(par.pipeline.evaluate(held_rows, params, dev) if par.pipelined else evaluate(model, held_rows, params, dev)),
         "train_rows": len(train_rows), "train_tokens": train_rows.n_tokens,
         "val_rows": len(held_rows), "vocab_size": tokenizer.get_vocab_size(),
-        "parameters": sum(p.numel() for p in model.parameters()),  # a DTensor's numel is global
+        # A DTensor's numel is global; pp stages hold disjoint parts, added over them.
+        "parameters": par.pipeline.parameter_count() if par.pipelined else par.parameter_count(model),
         "precision": params.precision, "attention": params.model.attention, "ffn": params.model.ffn,
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,

@@ -66,6 +66,10 @@ PY_WHITESPACE = (
 SMALL_PIECE = 16
 #: A rest of a rejected piece longer than this is retried in two halves.
 HALVE_LINES = 1024
+#: A record nested deeper than this is quarantined as invalid JSON. Python's json module
+#: recurses once per level (it fails near 1000), and the meta column is serialised again,
+#: so a depth no writer of real records uses is refused before either can fail.
+MAX_JSON_DEPTH = 200
 #: Blocks prepared ahead of the writer per worker thread
 #: (`IngestOptions.jsonl_threads`), which bounds memory to a few blocks.
 PREPARE_AHEAD = 2
@@ -234,6 +238,14 @@ def parse_line(number: int, line: bytes, unit: Unit, options: IngestOptions, lab
         record = json.loads(decoded.text)
     except json.JSONDecodeError as exc:
         return LineBad(number, fallback_id, locator, INVALID_JSON, f"line {number}: {exc.msg} (column {exc.colno})", line)
+    except RecursionError:
+        too_deep = True
+    else:
+        # Counting brackets is an upper bound on the depth, and cheap; only a line over it is walked.
+        too_deep = line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH and _depth(record) > MAX_JSON_DEPTH
+    if too_deep:
+        return LineBad(number, fallback_id, locator, INVALID_JSON,
+                       f"line {number}: nested deeper than {MAX_JSON_DEPTH} levels", line)
     if not isinstance(record, dict):
         return LineBad(number, fallback_id, locator, INVALID_RECORD, f"line {number}: not a JSON object", line)
     raw_id = record.get(options.id_field)
@@ -259,6 +271,19 @@ def parse_line(number: int, line: bytes, unit: Unit, options: IngestOptions, lab
             return LineBad(number, doc_id, locator, INVALID_ENCODING,
                            f"line {number}: a \\u escape encodes a lone surrogate, which is not text", line)
     return doc
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth + 1)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def ingest_jsonl_lines(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
@@ -406,6 +431,12 @@ class _Block:
         # as `json.loads` would; blank lines, a BOM, leading spaces and
         # anything else are left to Python.
         python = a[self.starts] != ord("{")
+        # A line with many brackets may nest deeper than Python can serialise its meta:
+        # `parse_line` judges it (Arrow would parse it).
+        opening = np.flatnonzero((a == ord("[")) | (a == ord("{")))
+        if len(opening) > MAX_JSON_DEPTH:
+            per_line = np.bincount(np.searchsorted(self.ends, opening, side="right"), minlength=self.n)
+            python |= per_line[:self.n] > MAX_JSON_DEPTH
         # Raw NUL and DEL bytes make a line binary to `decode`; Arrow would
         # accept DEL inside a string.
         for byte in (b"\x00", b"\x7f"):

@@ -39,10 +39,20 @@ def _bucket(token: str, dim: int) -> int:
     return found
 
 
-def hashed_words(texts: Sequence[str], dim: int) -> torch.Tensor:
-    """A sparse (len(texts), dim) float32 COO tensor of L2-normalised log(1 + count) per hash bucket."""
+def hashed_words(texts: Sequence[str], dim: int, markup: bool = False) -> torch.Tensor:
+    """A sparse (len(texts), dim) float32 COO tensor of L2-normalised log(1 + count) per hash bucket.
+
+    `markup`: count the words of the text with its Markdown/reST/HTML markup taken out
+    (`filters.markup`), so badge URLs, directive names and table bars are not words of a README.
+    """
     if dim < 1:
         raise ValueError(f"dim must be positive, not {dim}")
+    if markup and len(texts):
+        import pyarrow as pa
+
+        from filters.markup import markup_to_text
+
+        texts = markup_to_text(pa.array(list(texts), pa.large_string())).to_pylist()
     rows: list[np.ndarray] = []
     cols: list[np.ndarray] = []
     vals: list[np.ndarray] = []

@@ -70,6 +70,9 @@ class HeadConfig:
     #: Platt scaling of the logit (`assay.quality.calibration`), fitted on labelled documents the head
     #: was not trained on; None: the score is the head's raw probability.
     calibration: dict[str, Any] | None = None
+    #: Words features only: the words are counted with the text's markup taken out (`quality.markup`).
+    #: Heads saved before this existed read the raw text.
+    markup: bool = False
 
 
 def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:

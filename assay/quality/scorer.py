@@ -47,7 +47,8 @@ class HeadScorer:
         return self.config.features != FEATURES_WORDS
 
     def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
-        features = hashed_words(texts, self.config.dim) if self.config.features == FEATURES_WORDS else embeddings
+        features = (hashed_words(texts, self.config.dim, markup=self.config.markup)
+                    if self.config.features == FEATURES_WORDS else embeddings)
         logits = self.head.logits(features)
         if self.calibration is not None:
             return self.calibration(logits)

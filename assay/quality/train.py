@@ -193,7 +193,7 @@ def train_head(
     if q.features == FEATURES_WORDS:
         if finetune:
             raise AssayError("--finetune fine-tunes the encoder: it needs quality.features: embedding")
-        features = hashed_words(examples.texts, q.hash_dim)
+        features = hashed_words(examples.texts, q.hash_dim, markup=q.markup)
         train_x = features.index_select(0, torch.as_tensor(train_rows, dtype=torch.int64))
         test_x = features.index_select(0, torch.as_tensor(test_rows, dtype=torch.int64))
         head = fit_logistic(train_x, examples.labels[train_rows], l2=q.words_l2)
@@ -223,7 +223,8 @@ def train_head(
     if q.calibration:
         if examples.calibration is not None:
             cal = examples.calibration
-            cal_x = hashed_words(cal.texts, q.hash_dim) if q.features == FEATURES_WORDS else encoder.encode(cal.texts)
+            cal_x = (hashed_words(cal.texts, q.hash_dim, markup=q.markup) if q.features == FEATURES_WORDS
+                     else encoder.encode(cal.texts))
             cal_logits, cal_labels = head.logits(cal_x), cal.labels
             fitted_on = "the pool's dev part (labels by provenance)"
         else:
@@ -263,6 +264,7 @@ def train_head(
         },
         features=q.features,
         calibration=calibration,
+        markup=q.markup and q.features == FEATURES_WORDS,
     )
     save_head(out, head, config)
     return {**report, "training": config.training, "out": str(out), "recipe": recipe}

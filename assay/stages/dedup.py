@@ -6,6 +6,9 @@ The stage is a map-reduce:
 - reduce: exact duplicates by hash; LSH candidate pairs band by band (each
   band is independent, so bands are separate tasks that a Dask or Ray runner
   can spread) and union-find clusters; SemDeDup on the stored embeddings;
+  the signatures do not travel through the reduce: the map writes them to
+  the output's staging area, one column per band, and each band task reads
+  its band's columns from there (a local path, or an fsspec URL);
 - map again: each shard is written out without its duplicates, with a
   `cluster` column, and a decision for every input row.
 Documents dropped at one step are not considered at the next.
@@ -14,22 +17,24 @@ Documents dropped at one step are not considered at the next.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from assay.config import DedupParams, Params
+from assay.config import DedupParams, MinHashParams, Params
 from assay.errors import AssayError
-from assay.schema import DECISION_SCHEMA
-from assay.shards import MANIFEST, iter_batches
-from assay.staging import UnitResult, UnitWriter, finished_unit
+from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
+from assay.shards import MANIFEST, iter_batches, open_shard, shard_batches
+from assay.staging import STAGING_DIR, UnitResult, UnitWriter, finished_unit
 from filters.exact_dedup import choose_kept, normalized_hashes
-from filters.minhash import band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
+from filters.minhash import SIG_DTYPE, band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
 from filters.semantic_dedup import REASON as SEMANTIC_DUP
 from filters.semantic_dedup import semantic_duplicates
 
@@ -38,6 +43,10 @@ EXACT_DUP = "exact_dup"
 NEAR_DUP = "near_dup"
 CLUSTER = "cluster"
 EMBEDDINGS = "embeddings"
+#: The scans' signatures, in the output's staging area (removed with it at commit).
+SIGNATURES = "dedup-signatures"
+ALIVE = "alive.npy"
+SHINGLED = "shingled"
 
 
 @dataclass
@@ -54,12 +63,14 @@ class ShardScan:
     signatures: np.ndarray | None
 
 
-def scan_shard(shard: str, params: DedupParams, batch_rows: int) -> ShardScan:
+def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: str | None = None) -> ShardScan:
+    """One shard's scan. With `signatures_to` (a file path or fsspec URL) the MinHash signatures are
+    written there by band (`write_signatures`) and the scan returned carries none."""
     ids, kinds, sources, langs, paths, quality, hashes, sigs = [], [], [], [], [], [], [], []
-    parquet = pq.ParquetFile(shard)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     has_quality = "quality" in parquet.schema_arrow.names
     columns = ["id", "text", "kind", "source", "lang", "path"] + (["quality"] if has_quality else [])
-    for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+    for batch in shard_batches(parquet, shard, batch_size=batch_rows, columns=columns):
         ids += batch.column("id").to_pylist()
         kinds += batch.column("kind").to_pylist()
         sources += batch.column("source").to_pylist()
@@ -70,12 +81,114 @@ def scan_shard(shard: str, params: DedupParams, batch_rows: int) -> ShardScan:
         hashes.append(normalized_hashes(batch.column("text"), batch.column("kind")))
         if params.minhash.enabled:
             sigs.append(signatures(batch.column("text"), params.minhash))
+    stacked = None
+    if params.minhash.enabled:
+        width = params.minhash.bands * params.minhash.rows
+        stacked = np.concatenate(sigs) if sigs else np.zeros((0, width), dtype=SIG_DTYPE)
+        if signatures_to is not None:
+            write_signatures(stacked, signatures_to, params.minhash)
+            stacked = None
     return ShardScan(
         ids, kinds, sources, langs, paths,
         np.concatenate(quality) if quality else np.zeros(0),
         np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64),
-        np.concatenate(sigs) if sigs else None,
+        stacked,
     )
+
+
+def signatures_folder(out_dir: str) -> str:
+    """Where the scans stage their signatures: OUT/.staging/dedup-signatures (OUT may be an fsspec URL)."""
+    return f"{str(out_dir).rstrip('/')}/{STAGING_DIR}/{SIGNATURES}"
+
+
+def signatures_file(folder: str, index: int) -> str:
+    return f"{folder}/{index:05d}.parquet"
+
+
+def _band_column(band: int) -> str:
+    return f"band_{band:03d}"
+
+
+def _atomic_write(path: str, write) -> None:
+    """`write(fs, tmp_path)`, then a rename: a reader never sees a half-written file."""
+    fs, target = fsspec.core.url_to_fs(path)
+    fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    try:
+        write(fs, tmp)
+        fs.mv(tmp, target)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+
+
+def write_signatures(sigs: np.ndarray, path: str, params: MinHashParams) -> None:
+    """One shard's signatures as Parquet with one column per band (fixed-size lists of `rows` uint32) and
+    a `shingled` flag, so that a band's reader fetches that band's 32 B a document, not all 448."""
+    width, bands = params.rows, params.bands
+    if sigs.ndim != 2 or sigs.shape[1] != bands * width:
+        raise AssayError(f"signatures of shape {sigs.shape}; expected (n, {bands * width}) for {bands} bands x {width} rows")
+    columns = {SHINGLED: pa.array(has_shingles(sigs))}
+    for band in range(bands):
+        flat = np.ascontiguousarray(sigs[:, band * width : (band + 1) * width]).reshape(-1)
+        columns[_band_column(band)] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint32()), width)
+    table = pa.table(columns)
+    # Signatures are hash values: compression would cost time and save nothing.
+    _atomic_write(path, lambda fs, tmp: pq.write_table(table, tmp, filesystem=fs, compression="none"))
+
+
+def write_alive(alive: np.ndarray, folder: str) -> str:
+    """The rows still in the running after exact dedup, one bit a document, beside the signatures."""
+    path = f"{folder}/{ALIVE}"
+
+    def write(fs, tmp):
+        with fs.open(tmp, "wb") as handle:
+            np.save(handle, np.array([len(alive)], dtype=np.int64))
+            np.save(handle, np.packbits(alive.astype(bool)))
+
+    _atomic_write(path, write)
+    return path
+
+
+def read_alive(path: str) -> np.ndarray:
+    fs, target = fsspec.core.url_to_fs(path)
+    with fs.open(target, "rb") as handle:
+        n = int(np.load(handle)[0])
+        return np.unpackbits(np.load(handle), count=n).astype(bool)
+
+
+def staged_band_pairs(files: list[str], alive_file: str, band: int, params: DedupParams) -> np.ndarray:
+    """`band_pairs` from the staged signatures: reads only this band's column (and the shingled flag) of each
+    shard's file, in shard order, so the task's input is 32 B a document whatever the number of bands."""
+    if not 0 <= band < params.minhash.bands:
+        raise ValueError(f"band {band} outside 0..{params.minhash.bands - 1}")
+    alive = read_alive(alive_file)
+    width = params.minhash.rows
+    rows, keys, start = [], [], 0
+    for path in files:
+        fs, target = fsspec.core.url_to_fs(path)
+        with fs.open(target, "rb") as handle:
+            parquet = pq.ParquetFile(handle)
+            wanted = [SHINGLED, _band_column(band)]
+            missing = [c for c in wanted if c not in parquet.schema_arrow.names]
+            if missing:
+                raise AssayError(f"{path}: staged signatures without column(s) {', '.join(missing)}")
+            table = parquet.read(columns=wanted)
+        n = table.num_rows
+        if start + n > len(alive):
+            raise AssayError(f"{path}: signatures past the {len(alive)} rows of {alive_file}")
+        take = alive[start : start + n] & table.column(SHINGLED).to_numpy()
+        values = table.column(1).combine_chunks().flatten().to_numpy().reshape(n, width)[take]
+        rows.append(start + np.flatnonzero(take))
+        keys.append(band_keys(values, band))
+        start += n
+    if start != len(alive):
+        raise AssayError(f"{len(files)} signature files hold {start} rows; {alive_file} has {len(alive)}")
+    if not rows:
+        return np.empty((0, 2), dtype=np.int64)
+    # band_keys is row by row, so keys per shard, concatenated, are band_pairs' keys of the whole corpus.
+    return candidate_pairs_for_band(np.concatenate(rows), np.concatenate(keys))
 
 
 @dataclass
@@ -249,14 +362,14 @@ def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
     if done is not None:
         return done
     started = time.perf_counter()
-    parquet = pq.ParquetFile(shard)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     schema = parquet.schema_arrow
     if CLUSTER not in schema.names:
         schema = schema.append(pa.field(CLUSTER, pa.string()))
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
     offset = 0
     try:
-        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
             n = batch.num_rows
             part = rows[offset : offset + n]
             offset += n

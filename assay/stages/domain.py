@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from assay.config import DomainModelParams, DomainParams, Params
 from assay.domain.perplexity import PerplexityScorer, estimate_band
-from assay.schema import DECISION_SCHEMA, KIND_CODE
+from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, KIND_CODE
 from assay.stages.shard_stage import scores_column, with_score_column
+from assay.shards import open_shard, shard_batches
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.code_langid import identify_languages
 from filters.code_rules import RULE_CLEAN_PARTS, CodeRulesFilter, rule_clean_flags
@@ -85,7 +85,8 @@ def perplexity_band(shards: list[str], params: DomainParams, models: DomainModel
     size, seen, sample = params.model.band_sample, 0, []
     clip = models.scorer.window * 16
     for shard in shards:
-        for batch in pq.ParquetFile(shard).iter_batches(columns=["text", "kind", "lang"]):
+        columns = ["text", "kind", "lang"]
+        for batch in shard_batches(open_shard(shard, shard, DOCUMENT_SCHEMA, columns), shard, columns=columns):
             for text, kind, lang in zip(*(batch.column(c).to_pylist() for c in ("text", "kind", "lang"))):
                 if kind != KIND_CODE or not models.scorer.screens(lang):
                     continue
@@ -180,10 +181,10 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
         return done
     started = time.perf_counter()
     models = load_models(params.domain)
-    parquet = pq.ParquetFile(shard)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     writer = UnitWriter(out_dir, key, with_score_column(parquet.schema_arrow, PERPLEXITY), target_bytes=params.io.shard_bytes)
     try:
-        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
             batch, keep, reason, scores, flags = judge_batch(batch, params.domain, models, band)
             n = batch.num_rows
             ppl = scores.get(PERPLEXITY, np.full(n, np.nan))

@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 
 from assay.config import DynamicParams, Params
 from assay.errors import AssayError
-from assay.schema import DECISION_SCHEMA, TELEMETRY_SCHEMA
-from assay.shards import MANIFEST
+from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, TELEMETRY_SCHEMA
+from assay.shards import MANIFEST, open_shard, shard_batches
 from assay.stages.shard_stage import scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.dynamic import build_dynamic_filters, judge, signals_for
@@ -108,12 +108,12 @@ def dynamic_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     if done is not None:
         return done
     started = time.perf_counter()
-    parquet = pq.ParquetFile(shard)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     schema = with_score_column(parquet.schema_arrow, ALIGNMENT)
     table = {name: judged.column(name).combine_chunks() for name in judged.column_names}
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
     try:
-        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
             n = batch.num_rows
             where = pc.index_in(batch.column("id"), value_set=table["id"])
             found = np.asarray(pc.is_valid(where).to_numpy(zero_copy_only=False), dtype=bool)

@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from assay.config import Params, StaticParams
 from assay.encoder import Encoder, shared_encoder
 from assay.quality.scorer import Scorer, build_scorer, encoder_for
-from assay.schema import DECISION_SCHEMA, KIND_TEXT, embedding_schema
+from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, KIND_TEXT, embedding_schema
 from assay.stages.shard_stage import scores_column, with_score_column
+from assay.shards import open_shard, shard_batches
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.base import Filter
 from filters.heuristics import apply_by_source, build_heuristics, check_source_rules
@@ -107,12 +107,12 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     started = time.perf_counter()
     static = params.static
     models = load_models(static)
-    parquet = pq.ParquetFile(shard)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     schema = with_score_column(parquet.schema_arrow, QUALITY)
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes,
                         extra={EMBEDDINGS: embedding_schema(models.encoder.dim)})
     try:
-        for batch in parquet.iter_batches(batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
             keep, reason, scores, embedded, vectors = judge_batch(batch, static, models)
             n = batch.num_rows
             out = batch if QUALITY in batch.schema.names else batch.append_column(QUALITY, pa.array(scores[QUALITY], pa.float64(), from_pandas=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,7 @@ def main(data: str, run: str, params_file: str, overrides: str, out: str) -> Non
     world = init_distributed()
     par = Parallel.setup(params, world)
     tokenizer = load_tokenizer(run)
-    rows, _ = _rows(open_version(data), tokenizer, params)
+    rows, _ = _rows(open_version(data), tokenizer, params, Path(out).parent)  # rows cached beside the output
     torch.manual_seed(params.seed)
     model = build_model(params, tokenizer.get_vocab_size(), torch.device("cpu"))
     par.apply(model, torch.device("cpu"))

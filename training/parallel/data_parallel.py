@@ -42,10 +42,14 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
+    from training.parallel.expert_parallel import expert_parameters
+
     policy = mixed_precision_policy(precision)
+    # Expert-parallel experts differ from rank to rank: FSDP must neither shard nor average them.
+    ignored = set(expert_parameters(model)) or None
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     return model
 
 

@@ -8,6 +8,7 @@ one, so ``training.trainer`` has one code path.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,9 @@ class Parallel:
     zero1: bool
     precision: str = "fp32"
     mesh: DeviceMesh | None = None
+    #: pp: the train params the pipeline is built from (schedule, micro-batches, seq_len), and the pipeline.
+    train: TrainParams | None = None
+    pipeline: Any = None
 
     @classmethod
     def setup(cls, params: TrainParams, world: Distributed) -> Parallel:
@@ -58,11 +62,24 @@ class Parallel:
         if p.zero1 and (dims.fsdp or not dims.ddp):
             raise AssayError("parallel: zero1 shards the optimizer over DDP ranks: it needs dp_replicate > 1 "
                              "and dp_shard 1 (FSDP already shards the optimizer state, as ZeRO-3)")
-        return cls(world, dims, bool(p.zero1), params.precision)
+        if dims.tp > 1:
+            from training.parallel.tensor_parallel import check_tensor_parallel_layout
+
+            check_tensor_parallel_layout(dims)
+        if dims.pp > 1:
+            from training.parallel.pipeline import check_pipeline_layout
+
+            check_pipeline_layout(dims, params)
+        return cls(world, dims, bool(p.zero1), params.precision, train=params)
 
     @property
     def on(self) -> bool:
         return self.world.distributed
+
+    @property
+    def pipelined(self) -> bool:
+        """pp: the trainer's step runs through ``self.pipeline`` (its own forward/backward path)."""
+        return self.on and self.dims.pp > 1
 
     def describe(self) -> dict[str, Any]:
         return {"world_size": self.world.world_size, **self.dims.sizes(), "ep": self.dims.ep, "zero1": self.zero1,
@@ -72,6 +89,13 @@ class Parallel:
     def mode(self) -> str:
         if not self.on:
             return "single"
+        if self.pipelined:
+            return "pp"
+        if self.dims.tp > 1:  # "tp", "fsdp+tp", "hsdp+tp"
+            return "+".join(["hsdp" if self.dims.ddp else "fsdp"] * self.dims.fsdp + ["tp"])
+        if self.dims.cp > 1:  # "cp", "ddp+cp", "fsdp+cp", "hsdp+cp"
+            dp = ("hsdp" if self.dims.ddp else "fsdp") if self.dims.fsdp else ("ddp" if self.dims.ddp else "")
+            return f"{dp}+cp" if dp else "cp"
         if self.dims.fsdp:
             return "hsdp" if self.dims.ddp else "fsdp"
         return "ddp+zero1" if self.zero1 else "ddp"
@@ -81,6 +105,29 @@ class Parallel:
         if not self.on:
             return model
         self.mesh = self.dims.build_mesh(device.type)
+        # torchtitan's order: PP splits first, then TP, EP, CP, activation checkpointing, FSDP.
+        # --- pipeline parallel (pp) ---
+        if self.dims.pp > 1:  # prunes ``model`` in place to this rank's stages
+            from training.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline.build(model, self.mesh, self.train, device)
+        # --- tensor + sequence parallel (tp) ---
+        if self.dims.tp > 1:
+            from training.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.mesh["tp"])
+        # --- expert parallel (ep) ---
+        if self.dims.ep > 1:
+            from training.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(model, self.dims.ep_mesh(self.mesh), self.dims.dp)
+        # --- context parallel (cp) ---
+        if self.dims.cp > 1:
+            from training.parallel.context_parallel import apply_context_parallel
+
+            # It applies data parallelism too, over dp × cp: its cp ranks' gradients reduce with dp's.
+            self.context = apply_context_parallel(model, self.mesh, self.dims, self.precision, model.args.max_seq_len)
+            return model
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
 
     def optimizer(self, groups: list[dict], lr: float, defaults: dict) -> torch.optim.Optimizer:
@@ -92,18 +139,45 @@ class Parallel:
     def local_batch(self, whole: Batch) -> LocalBatch:
         if not self.on:
             return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
+        if self.pipelined:  # every stage runs every row (pp combines with no dp yet)
+            return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
+        if self.dims.cp > 1:  # this dp rank's documents, of each row this rank's positions
+            return self.context.local_batch(whole)
+        if self.dims.dp == 1:  # e.g. tp alone: every rank takes the whole batch (and the mesh has no dp)
+            return local_batch(whole, 0, 1)
         dp_mesh = self.dims.dp_mesh(self.mesh)
         return local_batch(whole, dp_mesh.get_local_rank(), self.dims.dp)
 
     def global_loss(self, local_mean: torch.Tensor, local_tokens: int, global_tokens: int) -> torch.Tensor:
         """The single-process batch loss: token-loss sums added over ranks, over all tokens."""
-        if not self.on:
+        if not self.on or self.pipelined:  # pp: the last stage's sum, broadcast already
             return local_mean
+        if self.dims.tp > 1:  # the tp ranks of a dp group hold the same rows: add over dp only
+            total = local_mean.detach().float() * local_tokens
+            if self.dims.dp > 1:
+                dist.all_reduce(total, group=self.dims.dp_mesh(self.mesh).get_group())
+            return total / max(global_tokens, 1)
         return self.world.sum(local_mean.float() * local_tokens) / max(global_tokens, 1)
+
+    @property
+    def writes_telemetry(self) -> bool:
+        """Whether this rank records its documents' telemetry: with tp, the first rank of each
+        tp group does (its ranks hold the same documents and the same, tp-summed, norms)."""
+        if self.pipelined:  # the last stage computed the losses
+            return self.pipeline.has_last
+        if self.on and self.dims.cp > 1 and self.context.rank > 0:  # cp: rank 0 writes the cp-summed losses
+            return False
+        return not self.on or self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0
+
+    def document_losses(self, doc_loss: torch.Tensor, doc_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-document mean losses and target tokens of this rank's documents, over their whole rows."""
+        if self.on and self.dims.cp > 1:  # each cp rank saw part of every row
+            return self.context.document_stats(doc_loss, doc_tokens)
+        return doc_loss, doc_tokens
 
     def sum_moe_loads(self, model: nn.Module, has_documents: bool) -> None:
         """Aux-loss-free balancing sees the global batch's expert loads, as one process would."""
-        if not self.on:
+        if not self.on or self.pipelined:  # pp: each rank's own layers saw the whole batch
             return
         for moe in model.moe_layers():
             if not has_documents:  # the placeholder row is not part of the batch
@@ -113,12 +187,61 @@ class Parallel:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         if not self.on:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if self.dims.ep > 1:
+            return self._clip_grad_norm_ep(model, max_norm)
+        if self.pipelined:
+            return self.pipeline.clip_grad_norm(max_norm)
         parameters = [p for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
         if isinstance(total, DTensor):  # FSDP: a partial norm per rank, reduced here
             total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return float(total)
+
+    def _clip_grad_norm_ep(self, model: nn.Module, max_norm: float) -> float:
+        """Experts are plain tensors, different on each ep rank (their squares add over ep); the
+        rest are FSDP shards, whose norm DTensor reduces. The experts' gradients are first summed
+        over their replicas: this runs once after every backward, before anything reads them."""
+        from training.parallel.expert_parallel import expert_parameters, grad_norm_squared, reduce_expert_grads
+
+        reduce_expert_grads(model)
+        experts = {id(p) for p in expert_parameters(model)}
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        rest = [p.grad for p in parameters if id(p) not in experts]
+        squared = grad_norm_squared(model)
+        if rest:
+            norm = torch.nn.utils.get_total_norm(rest, 2.0)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squared = squared + norm.float().cpu() ** 2
+        total = squared.sqrt()
+        for group in ([p for p in parameters if id(p) in experts], [p for p in parameters if id(p) not in experts]):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)  # one kind of tensor per call
+        return float(total)
+
+    def parameter_count(self, model: nn.Module) -> int:
+        """The model's parameters (a DTensor's numel is global; ep: each expert once)."""
+        if self.on and self.dims.ep > 1:
+            from training.parallel.expert_parallel import count_parameters
+
+            return count_parameters(model)
+        return sum(p.numel() for p in model.parameters())
+
+    def telemetry_grad_norms(self, setting: str) -> str:
+        """The per-document gradient norm setting this layout can honour exactly."""
+        if self.dims.ep > 1 and setting != "off":
+            if self.world.is_main:  # Python shows it once per run
+                warnings.warn("ep: per-document gradient norms are off: an expert's gradient for this rank's "
+                              "documents is computed on the ranks owning the experts", stacklevel=2)
+            return "off"
+        if self.dims.cp > 1 and setting != "off":
+            from training.parallel.context_parallel import ghost_norms_off
+
+            return ghost_norms_off(self.world.is_main)
+        if self.pipelined:
+            from training.parallel.pipeline import ghost_norms_off as pp_ghost_norms_off
+
+            return pp_ghost_norms_off(setting, self.world.is_main)
+        return setting
 
     # ------------------------------------------------------------------ checkpoints
     def _plain_state(self, optimizer: torch.optim.Optimizer, plain: PlainOptimizer) -> torch.optim.Optimizer:

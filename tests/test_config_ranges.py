@@ -1,0 +1,58 @@
+"""params.yaml values out of range fail on loading, with one line that names the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from fnmatch import fnmatchcase
+
+import pytest
+import yaml
+
+from assay.config import Params, load_params, params_from_dict
+from assay.config_ranges import RANGES
+from assay.errors import AssayError
+
+
+def _numeric_keys(obj, prefix: str = "") -> dict[str, object]:
+    found = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            found.update(_numeric_keys(value, key + "."))
+        else:
+            found[key] = value
+    return found
+
+
+def test_every_pattern_names_a_real_setting_and_the_defaults_are_in_range():
+    keys = _numeric_keys(Params())
+    for pattern in RANGES:
+        assert any(fnmatchcase(k, pattern) for k in keys), f"{pattern} matches no setting"
+    params_from_dict({})  # the defaults load
+    load_params("params.yaml")  # and so does the project's file
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"train": {"steps": -5}}, "train.steps"),
+    ({"train": {"holdout": 1.5}}, "train.holdout"),
+    ({"static": {"threshold": 1.5}}, "static.threshold"),
+    ({"static": {"heuristics": {"gopher_quality": {"min_alpha_words_ratio": 2.0}}}},
+     "static.heuristics.gopher_quality.min_alpha_words_ratio"),
+    ({"dedup": {"minhash": {"bands": 0}}}, "dedup.minhash.bands"),
+    ({"io": {"batch_rows": 0}}, "io.batch_rows"),
+    ({"train": {"parallel": {"dp_shard": 0}}}, "train.parallel.dp_shard"),
+    ({"dynamic": {"loss_high_z": -1.0}}, "dynamic.loss_high_z"),
+])
+def test_a_value_out_of_range_is_one_line_naming_the_key(tmp_path, data, key):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(AssayError) as caught:
+        load_params(path)
+    message = str(caught.value)
+    assert message.startswith(f"params: {key} = ") and "\n" not in message, message
+
+
+def test_null_still_switches_a_rule_off():
+    params = params_from_dict({"static": {"heuristics": {"gopher_quality": {"min_alpha_words_ratio": None}}}})
+    assert params.static.heuristics.gopher_quality.min_alpha_words_ratio is None

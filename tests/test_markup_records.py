@@ -1,0 +1,265 @@
+"""Markup to text before the heuristics and the words head, and the key-value records rule (ours).
+
+Both are differences from the papers and datatrove (ARCHITECTURE.md, tier 1);
+datatrove-compatible mode switches them off (tests/test_heuristics_datatrove.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from assay.config import HeuristicsParams, MarkupParams, Params, RecordsParams, load_params
+from assay.errors import AssayError
+from filters.heuristics import FILTER_NAMES, apply_by_source, apply_chain, build_heuristics
+from filters.markup import markup_to_text
+from filters.records import RecordsFilter
+
+PROSE = textwrap.fill(
+    "The library reads a configuration file, checks every value against the schema that the "
+    "application declared, and reports each mistake with the line where it was made. It was written "
+    "because the tools that existed at the time either stopped at the first error or gave messages "
+    "that did not say which file was wrong. Since then it has been used in a number of projects, and "
+    "the interface has stayed the same, so that code written for the first release still works with "
+    "this one. The documentation describes the format, the options of the command line tool and the "
+    "functions that other programs can call.", 76)
+#: A README's one paragraph of prose under its badges (60 words).
+PARAGRAPH = textwrap.fill(" ".join(PROSE.split()[:60]), 76)
+
+#: The head of a real wheel's long description (reST, as on PyPI: badges, directives, links).
+REST_README = """frobnicate
+==========
+
+|PyPI| |Status| |Python Version| |License|
+
+|Tests| |Codecov| |pre-commit| |Black|
+
+.. |PyPI| image:: https://img.shields.io/pypi/v/frobnicate.svg
+   :target: https://pypi.org/project/frobnicate/
+   :alt: PyPI
+.. |Status| image:: https://img.shields.io/pypi/status/frobnicate.svg
+   :target: https://pypi.org/project/frobnicate/
+   :alt: Status
+.. |Python Version| image:: https://img.shields.io/pypi/pyversions/frobnicate
+   :target: https://pypi.org/project/frobnicate
+   :alt: Python Version
+.. |License| image:: https://img.shields.io/pypi/l/frobnicate
+   :target: https://opensource.org/licenses/Apache-2.0
+   :alt: License
+.. |Tests| image:: https://github.com/example/frobnicate/workflows/Tests/badge.svg
+   :target: https://github.com/example/frobnicate/actions?workflow=Tests
+   :alt: Tests
+.. |Codecov| image:: https://codecov.io/gh/example/frobnicate/branch/main/graph/badge.svg
+   :target: https://app.codecov.io/gh/example/frobnicate
+   :alt: Codecov
+.. |pre-commit| image:: https://img.shields.io/badge/pre--commit-enabled-brightgreen?logo=pre-commit
+   :target: https://github.com/pre-commit/pre-commit
+   :alt: pre-commit
+.. |Black| image:: https://img.shields.io/badge/code%20style-black-000000.svg
+   :target: https://github.com/psf/black
+   :alt: Black
+
+Features
+--------
+
+""" + PARAGRAPH + """
+
+See `the documentation <https://frobnicate.readthedocs.io/en/latest/usage.html>`_ and
+:func:`~frobnicate.core.check` for the details.
+
+Example::
+
+    >>> from frobnicate import check
+    >>> check("settings.toml")
+"""
+
+#: The head of a real Markdown long description: a badge row, a heading, a table.
+MARKDOWN_README = """# frobnicate
+
+[![PyPi](https://img.shields.io/pypi/v/frobnicate.svg)](https://pypi.python.org/pypi/frobnicate/)
+[![PyPI - Status](https://img.shields.io/pypi/status/frobnicate)](https://pypi.python.org/pypi/frobnicate/)
+[![PyPI - Downloads](https://img.shields.io/pypi/dm/frobnicate)](https://pypi.python.org/pypi/frobnicate/)
+[![Python Versions](https://img.shields.io/pypi/pyversions/frobnicate.svg)](https://github.com/example/frobnicate)
+[![License](https://img.shields.io/github/license/example/frobnicate.svg)](https://github.com/example/frobnicate)
+![Build Status](https://github.com/example/frobnicate/actions/workflows/test-suite.yml/badge.svg)
+
+## What is it?
+
+""" + PARAGRAPH + """
+
+| Option | Meaning |
+| --- | --- |
+| `--all` | check every file |
+
+```python
+from frobnicate import check
+check("settings.toml")
+```
+
+Read the [documentation](https://example.org/docs) for more.
+"""
+
+#: A package stanza of /var/lib/dpkg/status (deb822): fields, and a folded English Description.
+DPKG_STANZA = """Package: tar
+Essential: yes
+Status: install ok installed
+Priority: required
+Section: utils
+Installed-Size: 3152
+Maintainer: Janos Lenart <ocsi@debian.org>
+Architecture: amd64
+Multi-Arch: foreign
+Version: 1.34+dfsg-1.2+deb12u1
+Replaces: cpio (<< 2.4.2-39)
+Pre-Depends: libacl1 (>= 2.2.23), libc6 (>= 2.34), libselinux1 (>= 3.1~)
+Suggests: bzip2, ncompress, xz-utils, tar-scripts, tar-doc
+Breaks: dpkg-dev (<< 1.14.26)
+Conflicts: cpio (<= 2.4.2-38)
+Description: GNU version of the tar archiving utility
+ Tar is a program for packaging a set of files as a single archive in tar
+ format.  The function it performs is conceptually similar to cpio, and to
+ things like PKZIP in the DOS world.  It is heavily used by the Debian package
+ management system, and is useful for performing system backups and exchanging
+ sets of files with others. The archives it writes can be read on other systems
+ as well, and the program can read the archives those systems write.
+Homepage: https://www.gnu.org/software/tar/
+"""
+
+
+def batch(*texts: str) -> pa.RecordBatch:
+    return pa.record_batch({"text": pa.array(list(texts), pa.large_string()), "kind": pa.array(["text"] * len(texts))})
+
+
+# --- markup to text -----------------------------------------------------------------------------
+
+
+def test_markup_to_text_takes_out_badges_directives_links_and_code_but_keeps_the_prose():
+    rest, md = markup_to_text(pa.array([REST_README, MARKDOWN_README])).to_pylist()
+    for plain in (rest, md):
+        assert "shields.io" not in plain and "https://" not in plain and "|PyPI|" not in plain
+        assert PARAGRAPH in plain  # the prose itself is untouched
+        assert "check(" not in plain  # code samples (literal blocks, fenced code) are not prose
+        assert "===" not in plain and "---" not in plain
+    assert "See the documentation and frobnicate.core.check for the details." in " ".join(rest.split())
+    assert "Read the documentation for more." in md and "What is it?" in md and "#" not in md
+    assert "Option  Meaning" in md and "--all  check every file" in md.replace("`", "")
+
+
+def test_plain_prose_and_nulls_pass_through_unchanged():
+    texts = [PROSE, "Note: the file is read twice.\nUsage: frob FILE\n", None, "", "a|b and c|d, 3 * 4 = 12 (a cell bar is a bar between spaces)"]
+    out = markup_to_text(pa.array(texts, pa.string()))
+    assert out.to_pylist() == texts
+    chunked = markup_to_text(pa.chunked_array([pa.array(texts[:2]), pa.array(texts[2:])]))
+    assert chunked.to_pylist() == texts
+
+
+def test_badge_laden_descriptions_fail_gopher_as_they_are_and_pass_without_markup():
+    """The pool's package descriptions were dropped for their markup (mean word length, `#`)."""
+    b = batch(REST_README, MARKDOWN_README, PROSE)
+    published = HeuristicsParams(markup=MarkupParams(enabled=False))
+    rules = ["gopher_repetition", "gopher_quality"]
+    old = apply_chain([f for f in build_heuristics(published) if f.name in rules], b)
+    new = apply_chain([f for f in build_heuristics(HeuristicsParams()) if f.name in rules], b)
+    assert old.reason[:2] == ["gopher_quality:mean_word_length"] * 2, old.reason
+    assert new.keep.all(), new.reason
+    # Plain prose gets the same scores either way.
+    for key, values in new.scores.items():
+        assert values[2] == pytest.approx(old.scores[key][2], nan_ok=True), key
+
+
+def test_hashed_words_with_markup_count_the_words_of_the_plain_text():
+    from assay.quality.features import hashed_words
+
+    plain = markup_to_text(pa.array([MARKDOWN_README])).to_pylist()
+    a = hashed_words([MARKDOWN_README], 1024, markup=True).to_dense()
+    b = hashed_words(plain, 1024).to_dense()
+    raw = hashed_words([MARKDOWN_README], 1024).to_dense()
+    assert np.allclose(a.numpy(), b.numpy()) and not np.allclose(a.numpy(), raw.numpy())
+
+
+def test_a_head_trained_with_markup_scores_with_markup_and_old_heads_read_raw_text(tmp_path):
+    from assay.quality.head import load_head
+    from assay.quality.scorer import HeadScorer
+    from assay.quality.train import Examples, train_head
+
+    params = Params()
+    params.quality.hash_dim = 4096
+    params.quality.calibration = None
+    texts = [PROSE + f" Example {i}." for i in range(20)] + [DPKG_STANZA.replace("tar", f"p{i}") for i in range(20)]
+    labels = np.array([1] * 20 + [0] * 20)
+    train_head(Examples(texts, labels, [str(i) for i in range(40)]), params, tmp_path / "head", recipe="labels")
+    assert load_head(tmp_path / "head")[1].markup is True
+    scorer = HeadScorer(tmp_path / "head")
+    from assay.quality.features import hashed_words
+
+    expect = 1 / (1 + np.exp(-scorer.head.logits(hashed_words([MARKDOWN_README], 4096, markup=True))))
+    assert scorer.score([MARKDOWN_README], None) == pytest.approx(expect)
+    # A head saved before `markup` existed has no such key: it reads raw words.
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    del config["markup"]
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    old = HeadScorer(tmp_path / "head")
+    expect_raw = 1 / (1 + np.exp(-old.head.logits(hashed_words([MARKDOWN_README], 4096))))
+    assert old.config.markup is False and old.score([MARKDOWN_README], None) == pytest.approx(expect_raw)
+
+
+# --- key-value records --------------------------------------------------------------------------
+
+
+def test_records_drop_deb822_stanzas_and_key_value_files_but_keep_prose_with_a_few_fields():
+    pkgconfig = "prefix=/usr\nlibdir=${prefix}/lib\n\nName: zlib\nDescription: zlib compression library\nVersion: 1.2.13\n\nLibs: -L${libdir} -lz\nCflags: -I${includedir}\n"
+    unit = "[Unit]\nDescription=Daily apt download activities\n\n[Timer]\nOnCalendar=*-*-* 6,18:00\nRandomizedDelaySec=12h\nPersistent=true\n\n[Install]\nWantedBy=timers.target\n"
+    readme = ("Frobnicator\n===========\n\nUsage:\n    frob --all FILE\n\nNote: " + PROSE + "\n\nHomepage: https://example.org/\n"
+              "https://example.org/docs\n")
+    result = RecordsFilter().apply(batch(DPKG_STANZA, pkgconfig, unit, readme, PROSE))
+    frac = result.scores["records:field_lines_frac"]
+    assert frac[:3].tolist() == [1.0, 1.0, 1.0]
+    assert frac[3] < 0.3 and frac[4] == 0.0
+    assert result.keep.tolist() == [False, False, False, True, True]
+    assert result.reason[0] == "records:field_lines_frac"
+
+
+def test_a_deb822_stanza_passes_gopher_and_is_dropped_by_the_records_rule():
+    """What let dpkg status stanzas through tier 1: an English Description folded into the record."""
+    b = batch(DPKG_STANZA)
+    gopher = [f for f in build_heuristics(HeuristicsParams()) if f.name.startswith("gopher_")]
+    assert apply_chain(gopher, b).keep.tolist() == [True]
+    source_rules = Params().static.source_rules
+    b = pa.record_batch({"text": b.column("text"), "kind": b.column("kind"), "source": pa.array(["fresh-dpkg-status"])})
+    result = apply_by_source(build_heuristics(HeuristicsParams()), b, source_rules)
+    assert result.keep.tolist() == [False] and result.reason == ["records:field_lines_frac"]
+
+
+def test_continuations_count_only_after_a_field_and_urls_are_not_keys():
+    from filters.records import field_lines
+
+    lines = ["Key: value", " folded", "\tfolded too", "", "   not folded: after a blank line",
+             "http://example.org/x", "Name[de]=Datei", "[Section]", "a sentence: with a colon", "x = 1"]
+    row = np.zeros(len(lines), dtype=np.int64)
+    assert field_lines(pa.array(lines), row).tolist() == [True, True, True, False, False, False, True, True, False, True]
+    # A continuation never belongs to a field of the previous document.
+    assert field_lines(pa.array(["Key: v", " more"]), np.array([0, 1])).tolist() == [True, False]
+
+
+def test_records_is_a_switch_with_a_nullable_threshold(tmp_path):
+    assert "records" in FILTER_NAMES
+    names = [f.name for f in build_heuristics(HeuristicsParams())]
+    assert names == ["gopher_repetition", "gopher_quality", "records", "c4", "fineweb_quality"]
+    off = HeuristicsParams(records=RecordsParams(enabled=False))
+    assert "records" not in [f.name for f in build_heuristics(off)]
+    null = RecordsFilter(RecordsParams(max_field_lines_frac=None)).apply(batch(DPKG_STANZA))
+    assert null.keep.tolist() == [True] and null.scores["records:field_lines_frac"][0] == 1.0
+    with pytest.raises(AssayError, match="max_field_lines_frac"):
+        RecordsParams(max_field_lines_frac=1.5)
+    yaml = tmp_path / "params.yaml"
+    yaml.write_text("static:\n  heuristics:\n    records:\n      max_field_lines_frac: null\n    markup:\n      enabled: false\n")
+    p = load_params(yaml)
+    assert p.static.heuristics.records.max_field_lines_frac is None and p.static.heuristics.markup.enabled is False
+    # The per-source choice may name it; the default gives it to the plain-text file sources.
+    assert all("records" in v for v in Params().static.source_rules.values())
+    assert dataclasses.replace(Params().static, source_rules={"x": ["records"]}).source_rules == {"x": ["records"]}

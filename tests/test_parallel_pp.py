@@ -1,0 +1,327 @@
+"""Pipeline parallel and its dynamic micro-batch scheduler.
+
+Pure pieces (no marker, they run in `make test`): the split into stages composes to the whole
+model; the scheduler's decisions on synthetic timings; the layout checks; the telemetry warning.
+
+Real runs (marker `parallel`), torchrun on gloo with 2 ranks against one process on the same rows
+of unequal length, data and seed: the losses of every step (rtol 1e-5), the gradients after
+step 1 and the parameters after the last step (atol 2e-5) and each document's loss (rtol 1e-5),
+for every schedule torch 2.13 offers, static and dynamic; `assay train --pp 2 --pp-dynamic` from the
+CLI against one process; a pipelined run resumed from its checkpoint. These are test_parallel.py's
+fp32 tolerances: the stages add the same terms in another order (micro-batch by micro-batch).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_parallel import _final_params, _history, workspace  # noqa: F401
+
+from assay.config import load_params
+from assay.errors import AssayError
+from training.model import ModelArgs, Transformer
+from training.parallel.dims import ParallelDims
+from training.parallel.microbatch import MicroBatchScheduler, Sample, static_plan
+from training.parallel.pipeline import (
+    SCHEDULES,
+    check_pipeline_layout,
+    ghost_norms_off,
+    split_layers,
+    split_model,
+    stage_ids,
+    valid_microbatches,
+)
+from training.telemetry import read_telemetry
+
+HERE = Path(__file__).parent
+
+
+# ------------------------------------------------------------------ the split
+def test_layers_split_evenly_and_stages_sit_where_the_schedules_want_them():
+    assert split_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_layers(4, 4) == [[0], [1], [2], [3]]
+    with pytest.raises(AssayError, match="4 pipeline stages need at least 4 layers"):
+        split_layers(3, 4)
+    assert stage_ids("1F1B", 2, 1) == [1]
+    assert stage_ids("Interleaved1F1B", 2, 0) == [0, 2]  # looped
+    assert stage_ids("ZBVZeroBubble", 2, 0) == [0, 3]  # V: rank 0 holds the first and the last
+    assert not valid_microbatches("1F1B", 1, 2) and valid_microbatches("1F1B", 2, 2)
+    assert not valid_microbatches("DualPipeV", 3, 2) and valid_microbatches("DualPipeV", 4, 2)
+    with pytest.raises(AssayError, match="not one of"):
+        stage_ids("Zigzag", 2, 0)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_stages_chained_compute_the_whole_model(schedule):
+    """Each rank's pruned copy keeps its own blocks under their original names, and running the
+    stages in order gives the unsplit model's logits exactly."""
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_hidden=64, max_seq_len=16)
+    whole = Transformer(args)
+    whole.init_weights(seed=0)
+    stages = {}
+    names = set()
+    for rank in range(2):
+        part = copy.deepcopy(whole)
+        stages.update(split_model(part, schedule, 2, rank))
+        names |= {n for n, _ in part.named_parameters()}
+        assert part.tok_embeddings is None or 0 in stage_ids(schedule, 2, rank)
+    assert names == {n for n, _ in whole.named_parameters()}
+    tokens = torch.randint(0, 64, (3, 16))
+    h = tokens
+    for s in sorted(stages):
+        h = stages[s](h)
+    torch.testing.assert_close(h, whole(tokens), rtol=0, atol=0)
+
+
+# -------------------------------------------------------------- the scheduler
+def _samples(cost, shapes, stages=(0, 1), nbytes=lambda m, w: 1000.0 * m * w):
+    """Synthetic measurements: every stage takes cost(m, w) forward and twice that backward."""
+    return [Sample(s, m, w, cost(m, w), 2 * cost(m, w), nbytes(m, w)) for s in stages for m, w in shapes]
+
+
+def _scheduler(**kw) -> MicroBatchScheduler:
+    return MicroBatchScheduler(**{"schedule": "1F1B", "pp": 2, "stage_rank": [0, 1], "full_width": 64,
+                                  "valid_microbatches": lambda m: m >= 2, **kw})
+
+
+def _covers(plan, n_rows):
+    assert plan.rows() == list(range(n_rows))  # every row once, fillers apart
+    for p in plan.passes:
+        assert len({len(mb) for mb in p.microbatches}) == 1  # one shape per pass
+
+
+def test_the_scheduler_waits_for_measurements_then_plans_every_row_once():
+    sched = _scheduler()
+    assert sched.plan([10] * 8) is None  # nothing measured yet: the caller runs its static plan
+    sched.observe(_samples(lambda m, w: 1e-4 + 1e-6 * m * w, [(2, 64), (1, 64), (4, 32)]))
+    plan = sched.plan([64, 5, 64, 7, 30, 64, 3, 9])
+    _covers(plan, 8)
+    assert plan == sched.plan([64, 5, 64, 7, 30, 64, 3, 9])  # deterministic: every rank agrees
+
+
+def test_short_rows_run_narrow_in_their_own_pass_when_padding_costs_more_than_a_flush():
+    """Half the rows are full (64 positions), half have 4: one full-width pass computes 50% padding.
+    With compute proportional to positions the scheduler gives the short rows a narrow pass."""
+    sched = _scheduler()
+    sched.observe(_samples(lambda m, w: 1e-3 * m * w / 64, [(1, 64), (2, 64), (2, 16), (4, 16)]))
+    lengths = [64] * 8 + [4] * 8
+    plan = sched.plan(lengths)
+    _covers(plan, 16)
+    assert sorted(p.width for p in plan.passes) == [16, 64]
+    static = static_plan(16, 4, 64)  # 4 micro-batches of 4 full-width rows: (4 + 1) slots of 12 ms
+    assert sched.predict(static)[0] == pytest.approx(0.06, rel=1e-6)
+    assert plan.predicted_seconds < 0.06 / 1.05
+    assert sched.plan(lengths, baseline=static) == plan  # far faster: the baseline is left
+
+
+def test_the_baseline_plan_stays_unless_the_gain_clears_the_margin():
+    sched = _scheduler(margin=0.10)
+    sched.observe(_samples(lambda m, w: 1e-5 * m * w, [(1, 64), (4, 64), (8, 64)]))
+    best = sched.plan([64] * 16)
+    baseline = static_plan(16, 8, 64)  # 8 micro-batches: predicted ~6% slower than the best 16
+    assert best.passes[0].n_microbatches == 16
+    kept = sched.plan([64] * 16, baseline=baseline)
+    assert kept.passes == baseline.passes and kept.predicted_seconds == pytest.approx(sched.predict(baseline)[0])
+
+
+def test_per_microbatch_overhead_and_fill_set_how_many_microbatches():
+    """A large fixed cost per micro-batch favours few big ones; a large fill (bubble) favours many."""
+    lengths = [64] * 16
+    heavy = _scheduler()
+    heavy.observe(_samples(lambda m, w: 0.05 + 1e-5 * m * w, [(1, 64), (4, 64), (8, 64)]))
+    light = _scheduler()
+    light.observe(_samples(lambda m, w: 1e-5 * m * w, [(1, 64), (4, 64), (8, 64)]))
+    n_heavy = heavy.plan(lengths).passes[0].n_microbatches
+    n_light = light.plan(lengths).passes[0].n_microbatches
+    assert n_heavy == 2 and n_light == 16
+
+
+def test_fill_and_per_microbatch_overhead_are_fitted_to_wall_times():
+    """Passes' wall times = (M + fill) × compute + M × overhead: the scheduler recovers both, and a
+    costly overhead (P2P, the schedule's own work) then pushes it to fewer micro-batches."""
+    cost = lambda m, w: 1e-3 * m  # noqa: E731
+    sched = _scheduler()
+    sched.observe(_samples(cost, [(1, 64), (2, 64), (4, 64)]))
+    assert sched.overheads() == (1, 0.0)  # nothing measured: 1F1B's pp - 1 slots, no overhead
+    assert sched.plan([64] * 8).passes[0].n_microbatches == 8
+    walls = [(static_plan(8, m, 64).passes[0], (m + 3) * 3 * cost(8 // m, 64) + m * 0.004) for m in (2, 4, 8)]
+    sched.observe([], walls)
+    fill, overhead = sched.overheads()
+    assert fill == pytest.approx(3.0, rel=1e-6) and overhead == pytest.approx(0.004, rel=1e-6)
+    # (M + 3) × 3 ms × 8/M + 4 ms × M: 4 micro-batches now beat 8.
+    assert sched.plan([64] * 8).passes[0].n_microbatches == 4
+
+
+def test_the_memory_cap_bounds_live_activations():
+    """1F1B holds min(M, pp) micro-batches' activations per rank: under a cap it cuts finer."""
+    lengths = [64] * 16
+    shapes = [(1, 64), (4, 64), (8, 64)]
+    cost = lambda m, w: 0.01 + 1e-5 * m * w  # noqa: E731
+    free = _scheduler()
+    free.observe(_samples(cost, shapes))
+    assert free.plan(lengths).passes[0].shape == (2, 8, 64)  # overhead-bound: few, big micro-batches
+    # Without a configured cap, the first peak observed (the static plan's) becomes the cap.
+    cap = 2 * 2 * 64 * 1000.0  # 2 in flight × 2 rows × 64 positions × 1000 B
+    capped = _scheduler()
+    capped.observe(_samples(cost, shapes), peak_bytes=cap)
+    plan = capped.plan(lengths)
+    assert plan.passes[0].shape == (8, 2, 64)
+    assert plan.predicted_peak_bytes == pytest.approx(cap, rel=1e-6)
+    tight = _scheduler(memory_cap=10.0)
+    tight.observe(_samples(cost, shapes))
+    assert tight.plan(lengths) is None  # nothing fits: the pipeline runs its static plan
+
+
+def test_without_trimming_passes_stay_full_width_and_exact_multiples():
+    """Sparse attention and MoE routing see padding: then every pass is full width, no filler."""
+    sched = _scheduler(trim=False)
+    sched.observe(_samples(lambda m, w: 1e-3 * m * w / 64, [(1, 64), (2, 64), (2, 16)]))
+    plan = sched.plan([64] * 6 + [4] * 6)
+    assert [p.width for p in plan.passes] == [64]
+    assert all(r >= 0 for p in plan.passes for mb in p.microbatches for r in mb)
+    with pytest.raises(ValueError, match="do not split"):
+        static_plan(6, 4, 64, fillers=False)
+
+
+# ----------------------------------------------------------- checks, telemetry
+def test_pipeline_layouts_that_cannot_run_are_refused():
+    params = load_params(None).train
+    with pytest.raises(AssayError, match="pp combines with no other dimension"):
+        check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), params)
+    bad = lambda **kw: type(params)(**{**params.__dict__, "parallel": type(params.parallel)(  # noqa: E731
+        **{**params.parallel.__dict__, **kw})})
+    with pytest.raises(AssayError, match="not one of"):
+        check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), bad(pp_schedule="Zigzag"))
+    with pytest.raises(AssayError, match="cannot run pp_microbatches=1"):
+        check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), bad(pp_microbatches=1))
+    check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), params)
+
+
+def test_ghost_norms_are_switched_off_under_pp_with_a_warning():
+    with pytest.warns(UserWarning, match="pp: per-document gradient norms are off"):
+        assert ghost_norms_off("ghost") == "off"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ghost_norms_off("off") == "off"
+        assert ghost_norms_off("ghost", is_main=False) == "off"  # said once, by rank 0
+
+
+# --------------------------------------------------------- real multi-process runs
+def _run(config: dict, out: Path, nproc: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = str(HERE / "parallel" / "pp_worker.py")
+    cmd = [sys.executable, script] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
+    done = subprocess.run([*cmd, json.dumps(config), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return torch.load(out)
+
+
+BASE = {"steps": 4, "batch": 8}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run(BASE, tmp_path_factory.mktemp("pp") / "ref.pt", 1)
+
+
+def _assert_same(got: dict, ref: dict) -> None:
+    assert [x[0] for x in got["losses"]] == pytest.approx([x[0] for x in ref["losses"]], rel=1e-5)
+    assert [x[1] for x in got["losses"]] == pytest.approx([x[1] for x in ref["losses"]], rel=1e-5)  # clip norms
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=2e-5, msg=name)
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-4, atol=2e-5, msg=name)
+    assert got["doc_losses"].keys() == ref["doc_losses"].keys()
+    for key, loss in ref["doc_losses"].items():
+        assert got["doc_losses"][key] == pytest.approx(loss, rel=1e-5), key
+
+
+RUNS = [
+    pytest.param("1F1B", True, id="1F1B-dynamic", marks=pytest.mark.parallel_quick),
+    pytest.param("GPipe", False, id="GPipe"),
+    pytest.param("1F1B", False, id="1F1B"),
+    pytest.param("GPipe", True, id="GPipe-dynamic"),
+    *[pytest.param(s, d, id=f"{s}{'-dynamic' if d else ''}") for s in SCHEDULES if s not in ("GPipe", "1F1B")
+      for d in (False, True)],
+]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("schedule,dynamic", RUNS)
+def test_a_pipelined_run_matches_one_process(reference, schedule, dynamic, tmp_path):
+    got = _run({**BASE, "schedule": schedule, "microbatches": 4, "dynamic": dynamic, "prime": dynamic},
+               tmp_path / "pp.pt", 2)
+    _assert_same(got, reference)
+    if dynamic:  # step 1 ran re-planned (primed scheduler): narrower passes than the static (4, 2, 32)
+        assert any(tuple(s)[2] < 32 for s in got["plans"][0]), got["plans"]
+    else:
+        assert all(tuple(s) == (4, 2, 32) for plan in got["plans"] for s in plan), got["plans"]
+
+
+@pytest.mark.parallel
+def test_assay_train_runs_pp_with_the_dynamic_scheduler(workspace, tmp_path):  # noqa: F811
+    """`assay train --nproc 2 --pp 2 --pp-schedule 1F1B --pp-dynamic` against one process: losses
+    for 5 steps, parameters after 5 (its DCP checkpoint, loaded into one whole model: the stages'
+    parameters keep their names), per-document losses; gradient norms are off (warned once)."""
+    root, data, params_file, single = workspace
+    run = tmp_path / "run"
+    assay = str(Path(sys.executable).parent / "assay")
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    done = subprocess.run([assay, "--params", str(params_file), "train", "--data", str(data), "--out", str(run),
+                           "--nproc", "2", "--pp", "2", "--pp-schedule", "1F1B", "--pp-dynamic"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    assert done.stderr.count("pp: per-document gradient norms are off") == 1
+    assert _history(run) == pytest.approx(_history(single), rel=1e-5)
+    mine, theirs = _final_params(run, params_file), _final_params(single, params_file)
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    tel, ref = read_telemetry(run), read_telemetry(single)
+    got = dict(zip(zip(tel["step"].to_pylist(), tel["sample_id"].to_pylist()), tel["loss"].to_pylist()))
+    want = dict(zip(zip(ref["step"].to_pylist(), ref["sample_id"].to_pylist()), ref["loss"].to_pylist()))
+    assert got.keys() == want.keys()  # every document of every step, once (the last stage writes)
+    assert list(got.values()) == pytest.approx([want[k] for k in got], rel=1e-5)
+    assert all(g is None for g in tel["grad_norm"].to_pylist())
+    metrics = json.loads((run / "metrics.json").read_text())
+    single_metrics = json.loads((single / "metrics.json").read_text())
+    assert metrics["parallel"]["mode"] == "pp" and metrics["parameters"] == single_metrics["parameters"]
+    assert metrics["val_loss"] == pytest.approx(single_metrics["val_loss"], rel=1e-5)
+
+
+
+@pytest.mark.parallel
+def test_a_pipelined_run_resumes_from_its_checkpoint(workspace, tmp_path):  # noqa: F811
+    """pp=2 saved at step 3, rolled back to it and resumed on pp=2: the single process's 5-step curve.
+    Each stage's optimizer hyperparameters come back although rank 0 alone wrote them by its names."""
+    import shutil
+
+    import yaml
+
+    from test_parallel import TINY, _torchrun
+
+    root, data, _, single = workspace
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"train": {**TINY, "checkpoint_every": 3}}))
+    run = tmp_path / "run"
+    args = ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
+            "--parallel", json.dumps({"pp": 2, "pp_dynamic": True})]
+    _torchrun(2, args, module="training.parallel.worker")
+    shutil.rmtree(run / "checkpoints" / "step-00000005")
+    (run / "checkpoints" / "latest").write_text("step-00000003\n")
+    _torchrun(2, [*args, "--resume"], module="training.parallel.worker")
+    assert _history(run) == pytest.approx(_history(single), rel=1e-5)
+    mine, theirs = _final_params(run, params_file), _final_params(single, params_file)
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=2e-5, msg=name)

@@ -1,0 +1,514 @@
+"""Pipeline parallel: the plain model split into stages, run by ``torch.distributed.pipelining``.
+
+The split is torchtitan's manual one over the model's fixed names: a stage keeps the
+blocks ``layers.{i}`` of its range (a ModuleDict, so names keep their index), the first
+stage keeps ``tok_embeddings``, the last ``norm`` and ``output``; the rest are deleted or
+set to None. The trainer's ``model`` is pruned in place to what this rank holds, so the
+optimizer, checkpoints (DCP, by the unchanged fully qualified names: a pp run resumes on
+one process and back) and MoE bias updates see exactly this rank's parameters. Each stage
+is a shallow shell of the pruned model that shares its modules.
+
+Schedules by name (``train.parallel.pp_schedule``): GPipe and 1F1B hold one stage per
+rank; Interleaved1F1B, InterleavedZeroBubble (looped: rank r holds stages r, r + pp) and
+ZBVZeroBubble, DualPipeV (a "V": rank r holds r and 2·pp - 1 - r) hold two.
+
+Exactness. Rows are documents' rows of unequal length with a loss mask, so a micro-batch's
+loss is its token-loss *sum* over the step's global token count, and the schedule does not
+rescale gradients (``scale_grads=False``): their sum over micro-batches is the
+single-process batch mean's gradient, whatever the micro-batches hold. Per-document loss
+sums and token counts are added up on the last stage. Stages are given their input and
+output shapes (static metadata), so torch runs no shape-inference forward: that would
+add phantom tokens to MoE routing counts.
+
+Micro-batches: each pass of a plan (training.parallel.microbatch) is one ``schedule.step``
+of equal-shape micro-batches; a stage set (recv buffers of one size) is built per pass
+shape and cached. Every stage times its forward and backward per micro-batch and counts
+the bytes autograd saved for backward; the dynamic scheduler plans the next step from them.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from assay.errors import AssayError
+from training.data import Batch
+from training.grad_norms import token_losses
+from training.parallel.microbatch import MicroBatchScheduler, Plan, Sample, static_plan
+
+__all__ = ["SCHEDULES", "Pipeline", "StepStats", "check_pipeline_layout", "ghost_norms_off", "split_layers",
+           "split_model", "stage_ids", "valid_microbatches"]
+
+#: name -> (schedule class, stages per rank, stage placement). All six run on gloo with
+#: torch 2.13 (tests/test_parallel_pp.py runs each at pp=2).
+SCHEDULES = {
+    "GPipe": (ScheduleGPipe, 1, "loop"),
+    "1F1B": (Schedule1F1B, 1, "loop"),
+    "Interleaved1F1B": (ScheduleInterleaved1F1B, 2, "loop"),
+    "InterleavedZeroBubble": (ScheduleInterleavedZeroBubble, 2, "loop"),
+    "ZBVZeroBubble": (ScheduleZBVZeroBubble, 2, "v"),
+    "DualPipeV": (ScheduleDualPipeV, 2, "v"),
+}
+
+
+def stage_ids(schedule: str, pp: int, rank: int) -> list[int]:
+    """The stages rank ``rank`` of ``pp`` holds under ``schedule``."""
+    _, v, style = _schedule(schedule)
+    if style == "v":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(v)]
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges, one per stage, sizes differing by at most one (earlier stages
+    take the extra: the last stage also runs the vocabulary projection)."""
+    if n_layers < n_stages:
+        raise AssayError(f"parallel: {n_stages} pipeline stages need at least {n_stages} layers, "
+                         f"the model has {n_layers}")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def valid_microbatches(schedule: str, n_microbatches: int, pp: int) -> bool:
+    """What torch's schedule constructors accept (checked there too, with their own message)."""
+    _, v, _ = _schedule(schedule)
+    if n_microbatches < 1:
+        return False
+    if schedule == "1F1B" or schedule == "DualPipeV":
+        return n_microbatches >= pp * v
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n_microbatches // pp)
+        return n_microbatches % rounds == 0
+    return True
+
+
+def _schedule(name: str):
+    if name not in SCHEDULES:
+        raise AssayError(f"parallel: pp_schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+# ------------------------------------------------------------------ the split
+def _prune(model: nn.Module, keep: list[int], first: bool, last: bool) -> None:
+    """In place: keep only blocks ``keep`` and, where this rank holds them, the ends."""
+    for name in list(model.layers.keys()):
+        if int(name) not in keep:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+
+
+def _shell(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """A module that runs ``model``'s forward over one stage's part, sharing its modules."""
+    shell = object.__new__(type(model))
+    shell.__dict__ = dict(model.__dict__)
+    shell._modules = dict(model._modules)
+    shell._parameters = dict(model._parameters)
+    shell._buffers = dict(model._buffers)
+    shell.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    shell.tok_embeddings = model.tok_embeddings if first else None
+    shell.norm = model.norm if last else None
+    shell.output = model.output if last else None
+    return shell
+
+
+def split_model(model: nn.Module, schedule: str, pp: int, rank: int) -> dict[int, nn.Module]:
+    """Prune ``model`` in place to what rank ``rank`` of ``pp`` holds under ``schedule``; returns
+    its stages (stage index -> module sharing the pruned model's parameters)."""
+    n_stages = pp * _schedule(schedule)[1]
+    ranges = split_layers(model.args.n_layers, n_stages)
+    local = stage_ids(schedule, pp, rank)
+    _prune(model, sorted(i for s in local for i in ranges[s]), 0 in local, n_stages - 1 in local)
+    return {s: _shell(model, ranges[s], s == 0, s == n_stages - 1) for s in local}
+
+
+# --------------------------------------------------------------- measurement
+@dataclass
+class _Live:
+    """Bytes saved for backward and not yet released, on this rank (all its stages)."""
+
+    now: float = 0.0
+    peak: float = 0.0
+
+    def add(self, nbytes: float) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
+class _MeteredStage(PipelineStage):
+    """A PipelineStage that times each micro-batch's forward and backward and counts the
+    bytes autograd saves for its backward (parameters and buffers excluded)."""
+
+    def __init__(self, *args, live: _Live, own: set[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.live, self.own = live, own
+        self.forward_s: dict[int, float] = {}
+        self.backward_s: dict[int, float] = {}
+        self.saved: dict[int, float] = {}
+        self.last_chunk = 0
+
+    def reset_meter(self) -> None:
+        self.forward_s, self.backward_s, self.saved = {}, {}, {}
+
+    def counting(self, chunk: int):
+        """Saved-tensor hooks adding what autograd saves to micro-batch ``chunk``'s bytes."""
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.own and ptr not in seen:
+                seen.add(ptr)
+                if self.has_backward:
+                    self.saved[chunk] = self.saved.get(chunk, 0.0) + storage.nbytes()
+                    self.live.add(storage.nbytes())
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        start = time.perf_counter()
+        with self.counting(fwd_chunk_id):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self.forward_s[fwd_chunk_id] = time.perf_counter() - start
+        self.last_chunk = fwd_chunk_id
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        start = time.perf_counter()
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.backward_s[bwd_chunk_id] = self.backward_s.get(bwd_chunk_id, 0.0) + time.perf_counter() - start
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        if full:
+            self.live.add(-self.saved.get(bwd_chunk_id, 0.0))
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        start = time.perf_counter()
+        out = super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.backward_s[bwd_chunk_id] = self.backward_s.get(bwd_chunk_id, 0.0) + time.perf_counter() - start
+        self.live.add(-self.saved.get(bwd_chunk_id, 0.0))
+        return out
+
+
+@dataclass
+class StepStats:
+    """One step, measured on every rank and gathered: what the benchmark and the scheduler read."""
+
+    wall_s: float = 0.0  # the slowest rank's time in the pipeline passes
+    busy_s: list[float] = field(default_factory=list)  # per rank: forward + backward + loss
+    peak_activation_bytes: float = 0.0  # largest over ranks
+    padded_tokens: int = 0  # computed positions, filler and padding included
+    plan: tuple = ()  # pass shapes (M, m, width)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the ranks' pipeline time (mean over ranks)."""
+        if not self.busy_s or self.wall_s <= 0:
+            return 0.0
+        return float(np.mean([1 - b / self.wall_s for b in self.busy_s]))
+
+
+# ------------------------------------------------------------------ the runner
+class Pipeline:
+    """This rank's stages and the step that runs them; built by :meth:`Pipeline.build`."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, schedule: str, n_microbatches: int,
+                 dynamic: bool, device: torch.device, seq_len: int, memory_cap_bytes: float | None = None,
+                 cache_size: int = 16):
+        cls, v, _ = _schedule(schedule)
+        self.group, self.pp = group, dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.schedule_name, self.schedule_cls = schedule, cls
+        self.n_stages = self.pp * v
+        self.stage_rank = [0] * self.n_stages
+        for r in range(self.pp):
+            for s in stage_ids(schedule, self.pp, r):
+                self.stage_rank[s] = r
+        self.last_rank = self.stage_rank[-1]
+        self.first_rank = self.stage_rank[0]
+        self.local = stage_ids(schedule, self.pp, self.rank)
+        args = model.args
+        self.modules = split_model(model, schedule, self.pp, self.rank)
+        self.model = model
+        self.device, self.seq_len, self.dim, self.vocab = device, seq_len, args.dim, args.vocab_size
+        # Padding positions reach sparse attention's block summaries and MoE routing counts:
+        # only full-width passes without filler rows keep those exactly as one process has them.
+        self.trim = args.attention == "dense" and args.ffn == "dense"
+        if not valid_microbatches(schedule, n_microbatches, self.pp):
+            raise AssayError(f"parallel: pp_schedule {schedule} cannot run {n_microbatches} micro-batches "
+                             f"on pp={self.pp} (1F1B needs at least pp, DualPipeV 2·pp, the interleaved "
+                             "ones a multiple of their rounds)")
+        self.n_microbatches = n_microbatches
+        self.dynamic = dynamic
+        self.scheduler = MicroBatchScheduler(
+            schedule, self.pp, self.stage_rank, seq_len, memory_cap=memory_cap_bytes, trim=self.trim,
+            valid_microbatches=lambda m: valid_microbatches(schedule, m, self.pp))
+        self.live = _Live()
+        self.own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self._cache: OrderedDict[tuple, tuple[list[_MeteredStage], object]] = OrderedDict()
+        self._cache_size = cache_size
+        self._dtypes: dict[bool, tuple[torch.dtype, torch.dtype]] = {}
+        self.last: StepStats | None = None
+        self._acc: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def build(cls, model: nn.Module, mesh, params, device: torch.device) -> Pipeline:
+        """From ``train`` params: the pp sub-mesh's group, schedule, micro-batches, scheduler."""
+        p = params.parallel
+        cap = None if p.pp_memory_cap_mb is None else p.pp_memory_cap_mb * 2**20
+        return cls(model, mesh["pp"].get_group(), p.pp_schedule, p.pp_microbatches, p.pp_dynamic, device,
+                   params.seq_len, cap)
+
+    @property
+    def has_last(self) -> bool:
+        return self.rank == self.last_rank
+
+    # ------------------------------------------------------------ stage sets
+    def _activation_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(hidden, logits) dtypes under the current autocast, from one token through a
+        throwaway copy-free probe: no_grad, MoE counters restored afterwards."""
+        key = torch.is_autocast_enabled(self.device.type)
+        if key not in self._dtypes:
+            moes = self.model.moe_layers()
+            saved = [(m.tokens_per_expert.clone(), m.last_tokens_per_expert) for m in moes]
+            with torch.no_grad():
+                first = self.modules.get(0)
+                hidden = torch.float32
+                if first is not None:
+                    hidden = first(torch.zeros(1, 1, dtype=torch.long, device=self.device)).dtype
+                hidden_box = torch.tensor([_DTYPES.index(hidden)], dtype=torch.long)
+                dist.broadcast(hidden_box, src=dist.get_global_rank(self.group, self.first_rank), group=self.group)
+                hidden = _DTYPES[int(hidden_box)]
+                last = self.modules.get(self.n_stages - 1)
+                logits = torch.float32
+                if last is not None:
+                    logits = last(torch.zeros(1, 1, self.dim, dtype=hidden, device=self.device)).dtype
+                box = torch.tensor([_DTYPES.index(logits)], dtype=torch.long)
+                dist.broadcast(box, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+                logits = _DTYPES[int(box)]
+            for m, (tokens, last_tokens) in zip(moes, saved):
+                m.tokens_per_expert.copy_(tokens)
+                m.last_tokens_per_expert = last_tokens
+            self._dtypes[key] = (hidden, logits)
+        return self._dtypes[key]
+
+    def _stages(self, n_mb: int, rows: int, width: int):
+        key = (n_mb, rows, width, torch.is_autocast_enabled(self.device.type))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        hidden, logits = self._activation_dtypes()
+        meta = torch.device("meta")
+        stages = []
+        for s in self.local:
+            # Hidden states carry gradients between stages: their metadata says so, or the
+            # receiving stage's buffer is no autograd leaf and sends no gradient back.
+            inp = (torch.empty(rows, width, dtype=torch.long, device=meta) if s == 0
+                   else torch.empty(rows, width, self.dim, dtype=hidden, device=meta, requires_grad=True))
+            out = (torch.empty(rows, width, self.vocab, dtype=logits, device=meta, requires_grad=True)
+                   if s == self.n_stages - 1
+                   else torch.empty(rows, width, self.dim, dtype=hidden, device=meta, requires_grad=True))
+            last = s == self.n_stages - 1
+            stages.append(_MeteredStage(self.modules[s], s, self.n_stages, self.device, input_args=inp,
+                                        output_args=out, output_grads=None if last else out,
+                                        input_grads=None if s == 0 else inp, group=self.group,
+                                        live=self.live, own=self.own))
+        target = stages[0] if len(stages) == 1 else stages
+        schedule = self.schedule_cls(target, n_mb, loss_fn=self._loss, scale_grads=False)
+        self._cache[key] = (stages, schedule)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return self._cache[key]
+
+    # ------------------------------------------------------------------ the step
+    def _loss(self, logits: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        targets, mask, doc = packed.unbind(-1)
+        mask = mask.bool()
+        last = self._last_stage  # the loss runs right after its forward: its bytes are that micro-batch's
+        with last.counting(last.last_chunk):
+            token_loss = token_losses(logits, targets, mask)
+        row_sum = token_loss.sum(1)
+        self._acc["doc_sum"].index_add_(0, doc[:, 0], row_sum.detach().float())
+        self._acc["doc_tokens"].index_add_(0, doc[:, 0], mask.sum(1))
+        self._acc["loss_s"] += time.perf_counter() - start
+        return row_sum.sum() / self._acc["global_tokens"]
+
+    def plan_for(self, batch: Batch) -> Plan:
+        lengths = batch.loss_mask.sum(1).tolist()
+        try:
+            static = static_plan(len(lengths), self.n_microbatches, self.seq_len, fillers=self.trim)
+        except ValueError as exc:
+            raise AssayError(f"parallel: {exc}; set train.parallel.pp_microbatches to a divisor of "
+                             "batch_size") from exc
+        if self.dynamic:
+            return self.scheduler.plan(lengths, baseline=static) or static
+        return static
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+        """Forward and backward of the whole batch over the pipeline; returns (batch mean loss on
+        every rank, per-document losses, None, per-document tokens); the last two are this
+        step's on the last stage's rank only (zeros elsewhere)."""
+        if batch.tokens.shape[1] != self.seq_len:
+            raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != seq_len {self.seq_len}")
+        n_docs = len(batch.doc_ids)
+        global_tokens = max(int(batch.loss_mask.sum()), 1)
+        self._acc = {"doc_sum": torch.zeros(n_docs, device=self.device),
+                     "doc_tokens": torch.zeros(n_docs, dtype=torch.long, device=self.device),
+                     "global_tokens": float(global_tokens), "loss_s": 0.0}
+        plan = self.plan_for(batch)
+        samples, walls, losses_all = [], [], []
+        busy, padded = 0.0, 0
+        self.live.now = self.live.peak = 0.0
+        for p in plan.passes:
+            stages, schedule = self._stages(*p.shape)
+            self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
+            rows = torch.tensor([r for mb in p.microbatches for r in mb], device=batch.tokens.device)
+            filler = rows < 0
+            take = rows.clamp_min(0)
+            tokens = batch.tokens[take, :p.width]
+            mask = batch.loss_mask[take, :p.width] & ~filler[:, None]
+            doc = batch.doc_index[take][:, None].expand(-1, p.width)
+            packed = torch.stack([batch.targets[take, :p.width], mask.long(), doc], dim=-1)
+            for s in stages:
+                s.reset_meter()
+            self._acc["loss_s"] = 0.0
+            losses: list[torch.Tensor] = []
+            args = (tokens.to(self.device),) if 0 in self.local else ()
+            target = packed.to(self.device) if self.has_last else None
+            start = time.perf_counter()
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            walls.append(time.perf_counter() - start)
+            losses_all.extend(losses)
+            padded += tokens.numel()
+            # The loss runs on the last stage after its forward: the cost model counts it there.
+            loss_per_mb = self._acc["loss_s"] / p.n_microbatches
+            for s in stages:
+                extra = loss_per_mb if s.stage_index == self.n_stages - 1 else 0.0
+                for chunk, fwd in s.forward_s.items():
+                    bwd = s.backward_s.get(chunk, 0.0)
+                    samples.append(Sample(s.stage_index, p.rows, p.width, fwd + extra, bwd, s.saved.get(chunk, 0.0)))
+                    busy += fwd + extra + bwd
+        loss = torch.stack(losses_all).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        gathered: list = [None] * self.pp
+        dist.all_gather_object(gathered, (samples, walls, busy, self.live.peak), group=self.group)
+        all_samples = [x for g in gathered for x in g[0]]
+        pass_walls = [max(g[1][i] for g in gathered) for i in range(len(plan.passes))]
+        peak = max(g[3] for g in gathered)
+        self.scheduler.observe(all_samples, list(zip(plan.passes, pass_walls)), peak)
+        self.last = StepStats(sum(pass_walls), [g[2] for g in gathered], peak, padded,
+                              tuple(p.shape for p in plan.passes))
+        doc_loss = self._acc["doc_sum"] / self._acc["doc_tokens"].clamp_min(1)
+        return loss, doc_loss, None, self._acc["doc_tokens"]
+
+    # ------------------------------------------------------------------ the rest
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Stages hold disjoint parameters: the global norm is the root of their squares' sum."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            squares += g.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt().to(torch.float32)
+        torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                             max_norm, total.to(self.device))
+        return float(total)
+
+    def parameter_count(self) -> int:
+        count = torch.tensor([sum(p.numel() for p in self.model.parameters())], dtype=torch.long)
+        dist.all_reduce(count, group=self.group)
+        return int(count)
+
+    @torch.no_grad()
+    def evaluate(self, rows, params, device: torch.device) -> dict:
+        """Held-out loss and accuracy through the pipeline's forward, as ``training.trainer.evaluate``
+        computes them in one process (results on every rank)."""
+        from training.data import make_batch
+        from training.trainer import precision_context
+
+        if len(rows) == 0:
+            return {"val_loss": None, "val_accuracy": None, "val_tokens": 0}
+        limit = len(rows) if params.eval_rows == 0 else min(len(rows), params.eval_rows)
+        totals = torch.zeros(3, dtype=torch.float64)
+        n_mb = self.n_stages if valid_microbatches(self.schedule_name, self.n_stages, self.pp) else self.pp
+        for start in range(0, limit, params.batch_size):
+            batch = make_batch(rows, np.arange(start, min(limit, start + params.batch_size)))
+            p = static_plan(batch.tokens.shape[0], n_mb, self.seq_len).passes[0]
+            idx = torch.tensor([r for mb in p.microbatches for r in mb])
+            take, filler = idx.clamp_min(0), idx < 0
+            mask = (batch.loss_mask[take] & ~filler[:, None]).to(device)
+            targets = batch.targets[take].to(device)
+            # Some schedules call the loss function in eval too: it gets a target, and scratch sums.
+            packed = torch.stack([targets, mask.long(), batch.doc_index[take][:, None].expand_as(targets)], -1)
+            self._acc = {"doc_sum": torch.zeros(len(batch.doc_ids), device=device),
+                         "doc_tokens": torch.zeros(len(batch.doc_ids), dtype=torch.long, device=device),
+                         "global_tokens": 1.0, "loss_s": 0.0}
+            with precision_context(params.precision, device):
+                stages, schedule = self._stages(*p.shape)
+                self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
+                out = schedule.eval(*((batch.tokens[take].to(device),) if 0 in self.local else ()),
+                                    target=packed if self.has_last else None)
+            if self.has_last:
+                totals += torch.tensor([float(token_losses(out, targets, mask).sum()),
+                                        float(((out.argmax(-1) == targets) & mask).sum()), float(mask.sum())],
+                                       dtype=torch.float64)
+        dist.broadcast(totals, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
+        loss_sum, correct, tokens = totals.tolist()
+        return {"val_loss": loss_sum / tokens, "val_accuracy": correct / tokens, "val_tokens": int(tokens)}
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def ghost_norms_off(setting: str, is_main: bool = True) -> str:
+    """Under pp, per-document ghost gradient norms are off: each stage holds only part of a
+    document's gradient (an exact norm would add per-document partial sums of squares over
+    the stages; not built). Said once, on rank 0; per-document losses stay exact."""
+    if setting == "off":
+        return "off"
+    if is_main:
+        warnings.warn("pp: per-document gradient norms are off: each pipeline stage holds only part of a "
+                      "document's gradient; per-document losses stay exact", stacklevel=2)
+    return "off"
+
+
+def check_pipeline_layout(dims, params) -> None:
+    """What pp runs with today, refused clearly otherwise (before any process builds a stage)."""
+    others = {n: getattr(dims, n) for n in ("dp_replicate", "dp_shard", "tp", "cp", "ep") if getattr(dims, n) > 1}
+    if others:
+        raise AssayError(f"parallel: pp combines with no other dimension yet (got {others}); "
+                         "run pp alone: --nproc N --pp N")
+    p = params.parallel
+    _schedule(p.pp_schedule)
+    n_stages = dims.pp * SCHEDULES[p.pp_schedule][1]
+    split_layers(params.model.n_layers, n_stages)
+    if not valid_microbatches(p.pp_schedule, p.pp_microbatches, dims.pp):
+        raise AssayError(f"parallel: pp_schedule {p.pp_schedule} cannot run pp_microbatches={p.pp_microbatches} "
+                         f"on pp={dims.pp} (1F1B needs at least pp, DualPipeV 2·pp, the interleaved ones a "
+                         "multiple of their rounds)")
