@@ -32,7 +32,6 @@ from training.parallel.microbatch import MicroBatchScheduler, Sample, static_pla
 from training.parallel.pipeline import (
     SCHEDULES,
     check_pipeline_layout,
-    ghost_norms_off,
     split_layers,
     split_model,
     stage_ids,
@@ -205,14 +204,17 @@ def test_pipeline_layouts_that_cannot_run_are_refused():
 
 
 def test_ghost_norms_are_switched_off_under_pp_with_a_warning():
+    from training.parallel.setup import grad_norms_setting
+
     with pytest.warns(UserWarning, match="pp: per-document gradient norms are off"):
-        assert ghost_norms_off("ghost") == "off"
+        assert grad_norms_setting("ghost", "pp") == "off"
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ghost_norms_off("off") == "off"
-        assert ghost_norms_off("ghost", is_main=False) == "off"  # said once, by rank 0
+        assert grad_norms_setting("off", "pp") == "off"
+        assert grad_norms_setting("ghost", "pp", warn=False) == "off"  # said once, by rank 0
+        assert grad_norms_setting("ghost", None) == "ghost"  # a layout where they stay exact
 
 
 # --------------------------------------------------------- real multi-process runs

@@ -45,7 +45,6 @@ gradient is a sum over ranks of per-token terms, and its norm is not a sum of pe
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,8 +63,7 @@ from training.parallel.ring_attention import ring_attention, zigzag_positions
 # the softmax and its gradient (the single-process kernel's choice, training.attention).
 _CHUNK_SCORES = 1 << 19
 
-__all__ = ["ContextParallel", "apply_context_parallel", "contiguous_positions", "ghost_norms_off",
-           "sharded_sparse_attention"]
+__all__ = ["ContextParallel", "apply_context_parallel", "contiguous_positions", "sharded_sparse_attention"]
 
 
 def contiguous_positions(n: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -252,15 +250,6 @@ class _TableAttention(torch.autograd.Function):
 
 
 # ------------------------------------------------------------- model integration
-def ghost_norms_off(warn: bool) -> str:
-    """The grad-norm setting under cp: "off", with a warning (once per run where ``warn``)."""
-    if warn:
-        warnings.warn("cp: per-document gradient norms are off: a document's gradient is summed over the "
-                      "cp ranks' parts of its rows, and ghost norms are per rank; its loss stays exact",
-                      stacklevel=3)
-    return "off"
-
-
 @dataclass
 class ContextParallel:
     group: dist.ProcessGroup

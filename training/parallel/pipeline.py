@@ -29,7 +29,6 @@ the bytes autograd saved for backward; the dynamic scheduler plans the next step
 from __future__ import annotations
 
 import time
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -52,7 +51,7 @@ from training.data import Batch
 from training.grad_norms import token_losses
 from training.parallel.microbatch import MicroBatchScheduler, Plan, Sample, static_plan
 
-__all__ = ["SCHEDULES", "Pipeline", "StepStats", "check_pipeline_layout", "ghost_norms_off", "split_layers",
+__all__ = ["SCHEDULES", "Pipeline", "StepStats", "check_pipeline_layout", "split_layers",
            "split_model", "stage_ids", "valid_microbatches"]
 
 #: name -> (schedule class, stages per rank, stage placement). All six run on gloo with
@@ -484,18 +483,6 @@ class Pipeline:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def ghost_norms_off(setting: str, is_main: bool = True) -> str:
-    """Under pp, per-document ghost gradient norms are off: each stage holds only part of a
-    document's gradient (an exact norm would add per-document partial sums of squares over
-    the stages; not built). Said once, on rank 0; per-document losses stay exact."""
-    if setting == "off":
-        return "off"
-    if is_main:
-        warnings.warn("pp: per-document gradient norms are off: each pipeline stage holds only part of a "
-                      "document's gradient; per-document losses stay exact", stacklevel=2)
-    return "off"
 
 
 def check_pipeline_layout(dims, params) -> None:

@@ -29,7 +29,25 @@ from training.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
 
-__all__ = ["Parallel"]
+__all__ = ["Parallel", "grad_norms_setting"]
+
+#: Why per-document gradient norms cannot be exact under a mode: its ranks hold parts of one
+#: document's gradient whose norms do not add. Per-document losses stay exact under all of them.
+_NORMS_OFF = {
+    "pp": "each pipeline stage holds only part of a document's gradient",
+    "ep": "an expert's gradient for this rank's documents is computed on the ranks owning the experts",
+    "cp": "a document's gradient is summed over the cp ranks' parts of its rows, and ghost norms are per rank",
+}
+
+
+def grad_norms_setting(setting: str, mode: str | None, warn: bool = True) -> str:
+    """``setting``, or "off" under a mode in ``_NORMS_OFF``, said once (where ``warn``: rank 0)."""
+    if setting == "off" or mode is None:
+        return setting
+    if warn:
+        warnings.warn(f"{mode}: per-document gradient norms are off: {_NORMS_OFF[mode]}; "
+                      "per-document losses stay exact", stacklevel=3)
+    return "off"
 
 PlainOptimizer = Callable[[], torch.optim.Optimizer]
 
@@ -228,20 +246,10 @@ class Parallel:
 
     def telemetry_grad_norms(self, setting: str) -> str:
         """The per-document gradient norm setting this layout can honour exactly."""
-        if self.dims.ep > 1 and setting != "off":
-            if self.world.is_main:  # Python shows it once per run
-                warnings.warn("ep: per-document gradient norms are off: an expert's gradient for this rank's "
-                              "documents is computed on the ranks owning the experts", stacklevel=2)
-            return "off"
-        if self.dims.cp > 1 and setting != "off":
-            from training.parallel.context_parallel import ghost_norms_off
-
-            return ghost_norms_off(self.world.is_main)
-        if self.pipelined:
-            from training.parallel.pipeline import ghost_norms_off as pp_ghost_norms_off
-
-            return pp_ghost_norms_off(setting, self.world.is_main)
-        return setting
+        if not self.on:
+            return setting
+        mode = "pp" if self.pipelined else "ep" if self.dims.ep > 1 else "cp" if self.dims.cp > 1 else None
+        return grad_norms_setting(setting, mode, warn=self.world.is_main)
 
     # ------------------------------------------------------------------ checkpoints
     def _plain_state(self, optimizer: torch.optim.Optimizer, plain: PlainOptimizer) -> torch.optim.Optimizer:
