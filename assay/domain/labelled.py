@@ -185,9 +185,12 @@ GROUPS: tuple[Group, ...] = (
     _gen("idna-data", "site", ["idna/uts46data.py", "idna/idnadata.py"]),
     _gen("wcwidth-tables", "site", ["wcwidth/table_*.py"]),
     _gen("pygments-tables", "site", ["pygments/*/_mapping.py", "pygments/lexers/_*_builtins.py"]),
-    _gen("protobuf-google", "site", ["google/*_pb2.py", "google/*_pb2.pyi", "google/*_pb2_grpc.py"]),
+    # protobuf's own modules only: the set must not change when an optional extra (Ray pulls in
+    # googleapis-common-protos and opentelemetry-proto) adds generated modules to site-packages.
+    _gen("protobuf-google", "site", ["google/protobuf/*_pb2.py", "google/protobuf/*_pb2.pyi",
+                                     "google/protobuf/*_pb2_grpc.py"]),
     _gen("protobuf-weaviate", "site", ["weaviate/*_pb2.py", "weaviate/*_pb2.pyi", "weaviate/*_pb2_grpc.py"]),
-    _gen("protobuf-other", "site", ["transformers/*_pb2.py", "opentelemetry/*_pb2.py", "grpc/*_pb2.py"]),
+    _gen("protobuf-other", "site", ["transformers/*_pb2.py", "grpc/*_pb2.py"]),
     _gen("antlr-hydra", "site", ["hydra/grammar/gen/*.py"]),
     _gen("antlr-omegaconf-sympy", "site", ["omegaconf/grammar/gen/*.py", "sympy/parsing/*/_antlr/*.py"]),
     _gen("pycparser-ast", "site", ["pycparser/c_ast.py"]),
