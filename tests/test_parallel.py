@@ -180,6 +180,12 @@ def test_bf16_under_fsdp_trains_like_one_process_in_bf16(workspace, tmp_path):
 def test_a_run_saved_on_four_ranks_resumes_on_two(workspace, tmp_path):
     """DCP reshards: a 4-rank FSDP run rolled back to its step-3 checkpoint and resumed on
     2 ranks gives the single process's 5-step curve and parameters."""
+    assert_resumes_resharded(workspace, tmp_path, (4, {"dp_shard": 4}), (2, {"dp_shard": 2}))
+
+
+def assert_resumes_resharded(workspace, tmp_path: Path, first: tuple[int, dict], then: tuple[int, dict]) -> Path:
+    """Train under ``first`` (ranks, layout), roll back to the step-3 checkpoint, resume under
+    ``then``: the single process's 5-step curve and final parameters. Returns the params file."""
     import shutil
 
     root, data, _, single = workspace
@@ -187,15 +193,16 @@ def test_a_run_saved_on_four_ranks_resumes_on_two(workspace, tmp_path):
     params_file.write_text(yaml.safe_dump({"train": {**TINY, "checkpoint_every": 3}}))
     run = tmp_path / "run"
     args = ["--data", str(data), "--out", str(run), "--params-file", str(params_file)]
-    _torchrun(4, [*args, "--parallel", json.dumps({"dp_shard": 4})], module="training.parallel.worker")
+    _torchrun(first[0], [*args, "--parallel", json.dumps(first[1])], module="training.parallel.worker")
     checkpoints = run / "checkpoints"
     shutil.rmtree(checkpoints / f"step-{STEPS:08d}")
     (checkpoints / "latest").write_text("step-00000003\n")
-    _torchrun(2, [*args, "--resume", "--parallel", json.dumps({"dp_shard": 2})], module="training.parallel.worker")
+    _torchrun(then[0], [*args, "--resume", "--parallel", json.dumps(then[1])], module="training.parallel.worker")
     assert _history(run) == pytest.approx(_history(single), rel=1e-5)
     mine, theirs = _final_params(run, params_file), _final_params(single, params_file)
     for name, value in theirs.items():
         torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    return params_file
 
 
 def test_a_killed_rank_restarts_the_group_from_its_checkpoint(workspace, tmp_path):

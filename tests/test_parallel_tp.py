@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 import test_parallel
-from test_parallel import STEPS, TINY, _final_params, _history, _telemetry, _torchrun, assert_step_one_matches
+from test_parallel import (_final_params, _history, _telemetry, _torchrun, assert_resumes_resharded,
+                           assert_step_one_matches)
 
 from assay.errors import AssayError
 from training.model import ModelArgs, Transformer
@@ -130,22 +130,8 @@ def test_a_tensor_parallel_run_resumes_on_fsdp_and_refuses_heads_it_cannot_split
     """DCP reshards DTensor shards: a tp=2 run rolled back to its step-3 checkpoint resumes as FSDP
     on 2 ranks with the single process's 5-step curve and parameters. A tp that does not divide the
     heads is refused before training, with the reason."""
-    import shutil
-
     root, data, _, single = workspace
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump({"train": {**TINY, "checkpoint_every": 3}}))
-    run = tmp_path / "run"
-    args = ["--data", str(data), "--out", str(run), "--params-file", str(params_file)]
-    _torchrun(2, [*args, "--parallel", json.dumps({"tp": 2})], module="training.parallel.worker")
-    checkpoints = run / "checkpoints"
-    shutil.rmtree(checkpoints / f"step-{STEPS:08d}")
-    (checkpoints / "latest").write_text("step-00000003\n")
-    _torchrun(2, [*args, "--resume", "--parallel", json.dumps({"dp_shard": 2})], module="training.parallel.worker")
-    assert _history(run) == pytest.approx(_history(single), rel=1e-5)
-    mine, theirs = _final_params(run, params_file), _final_params(single, params_file)
-    for name, value in theirs.items():
-        torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    params_file = assert_resumes_resharded(workspace, tmp_path, (2, {"tp": 2}), (2, {"dp_shard": 2}))
 
     refused = _assay_train(params_file, data, tmp_path / "tp4", "--nproc", "4", "--tp", "4")
     assert refused.returncode != 0
