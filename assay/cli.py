@@ -339,7 +339,7 @@ def train_command(
     dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="DDP ranks (overrides train.parallel.dp_replicate)."),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP2 (ZeRO-3) ranks; -1 = what the other dimensions leave."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor + sequence parallel ranks: heads and FFN units split over them (with --dp-shard: FSDP×TP)."),
-    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline-parallel ranks (torch.distributed.pipelining; pp alone for now)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline-parallel ranks (torch.distributed.pipelining; with --dp-shard/--dp-replicate: each stage data-parallel, static micro-batches)."),
     pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (overrides train.parallel.pp_schedule)."),
     pp_dynamic: Optional[bool] = typer.Option(None, "--pp-dynamic/--pp-static", help="Re-choose micro-batches each step from measured stage times and memory (train.parallel.pp_dynamic)."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Context-parallel ranks: each row's sequence sharded (ring attention; sharded sparse attention)."),

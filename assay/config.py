@@ -32,6 +32,9 @@ class IOParams:
     shard_bytes: int = 128 * 2**20
     #: Rows per record batch when stages stream shards.
     batch_rows: int = 1024
+    #: At most this many bytes of strings per batch a stage judges at once (bench/memory_bound.py):
+    #: batch_rows of large documents are cut into slices of this size, which bounds the stage's memory.
+    batch_bytes: int = 16 * 2**20
 
 
 @dataclass
@@ -178,6 +181,10 @@ class RecordsParams:
     enabled: bool = True
     #: Max share of non-blank lines that belong to a field; None (null): the rule is off.
     max_field_lines_frac: float | None = 0.5
+    #: Leave comment lines (`#`, `;`, `%`, `//` first) out of the share (ours; issue 10, fresh set 2's misses).
+    skip_comments: bool = True
+    #: Whitespace-separated `key value` lines with non-word values are fields too (ours; locale-style sources).
+    value_lines: bool = True
 
     def __post_init__(self) -> None:
         if self.max_field_lines_frac is not None and not 0.0 <= self.max_field_lines_frac <= 1.0:
@@ -241,7 +248,8 @@ class StaticParams:
     #: (the demo pool's and the fresh set's) get the Gopher rules only (params.yaml).
     source_rules: dict[str, list[str]] = field(default_factory=lambda: {
         pattern: ["gopher_repetition", "gopher_quality", "records"]
-        for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*", "fresh2-*")
+        for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*", "fresh2-*",
+                        "fresh3-*")
     })
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
@@ -717,10 +725,18 @@ class ScoringParams:
     #: from the checkpoint's optimizer state; LESS, Xia et al. 2024); "none": the raw G (the default:
     #: P G helped the small bench model but hurt the demo model, BENCHMARKS.md tier 2).
     precondition: str = "none"
+    #: How the reference documents' gradients are averaged: "tokens" (the gradient of their mean
+    #: token loss, so long documents weigh more), "documents" (the mean of each document's own
+    #: gradient) or "unit" (the mean of those gradients scaled to unit length: each document one
+    #: vote on the direction).
+    reference_aggregate: str = "unit"
 
     def __post_init__(self) -> None:
         if self.precondition not in ("none", "adam"):
             raise AssayError(f"score.precondition must be none or adam, not {self.precondition!r}")
+        if self.reference_aggregate not in ("tokens", "documents", "unit"):
+            raise AssayError("score.reference_aggregate must be tokens, documents or unit, "
+                             f"not {self.reference_aggregate!r}")
         for c in self.checkpoints:
             if not (c == "last" or (isinstance(c, int) and c >= 0)):
                 raise AssayError(f"score.checkpoints: {c!r} should be a step number or 'last'")

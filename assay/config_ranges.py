@@ -23,6 +23,7 @@ SHARE = (0.0, 1.0)
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "io.shard_bytes": AT_LEAST_1,
     "io.batch_rows": AT_LEAST_1,
+    "io.batch_bytes": AT_LEAST_1,
     "ingest.max_bytes": AT_LEAST_1,
     "ingest.unit_bytes": AT_LEAST_1,
     "ingest.encoding_confidence": SHARE,

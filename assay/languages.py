@@ -212,7 +212,7 @@ def _sniff(head: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     # ASCII text, except that they do not split at \x1c-\x1f, which Python
     # and the UTF-8 split count as whitespace.
     ascii_rows = _np(pc.fill_null(pc.string_is_ascii(head), True))
-    if ascii_rows.any():
+    if ascii_rows.any() and _any_byte_between(head, 0x1C, 0x1F):  # rare: a numpy scan of the buffer decides
         ascii_rows &= ~_np(pc.fill_null(pc.match_substring_regex(head, "[\\x1c-\\x1f]"), False))
     words, stops = np.zeros(n), np.zeros(n)
     for rows, ascii in ((np.flatnonzero(ascii_rows), True), (np.flatnonzero(~ascii_rows), False)):
@@ -236,6 +236,17 @@ def _word_counts(head: pa.Array, ascii: bool) -> tuple[np.ndarray, np.ndarray]:
     words = np.bincount(token_owner, weights=_np(pc.not_equal(token, "")), minlength=n)
     stops = np.bincount(token_owner, weights=_np(pc.is_in(token, value_set=_STOPWORD_SET)), minlength=n)
     return words, stops
+
+
+def _any_byte_between(strings: pa.Array, low: int, high: int) -> bool:
+    """Does the value buffer hold a byte in [low, high]? It may hold bytes outside the
+    array's own strings (a slice), so True only means "look closer"."""
+    buffers = strings.buffers()
+    values = buffers[2] if len(buffers) > 2 else None
+    if values is None or not values.size:
+        return False
+    data = np.frombuffer(values, np.uint8)
+    return bool(((data - np.uint8(low)) <= np.uint8(high - low)).any())
 
 
 def _lookup(keys: pa.Array, table: dict[str, str]) -> pa.Array:

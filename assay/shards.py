@@ -39,6 +39,9 @@ TMP_MARKER = ".tmp-"
 #: Rows buffered before a row group is written: large enough for good
 #: compression, small enough that a reader's batch stays a few MB.
 ROW_GROUP_ROWS = 2048
+#: ... or these bytes, whichever comes first: 2,048 rows of large documents would be a whole shard,
+#: held by the writer until written and read back by the next stage at once (bench/memory_bound.py).
+ROW_GROUP_BYTES = 16 * 2**20
 
 
 def shard_name(index: int) -> str:
@@ -121,6 +124,7 @@ class ShardWriter:
         self._final: Path | None = None
         self._buffer: list[pa.RecordBatch] = []
         self._buffered_rows = 0
+        self._buffered_bytes = 0
         self._shard_rows = 0
         self._shard_bytes = 0  # uncompressed, which is what the target bounds
         self.shards: list[ShardInfo] = []
@@ -134,8 +138,9 @@ class ShardWriter:
         for batch in batches:
             self._buffer.append(batch)
             self._buffered_rows += batch.num_rows
+            self._buffered_bytes += batch.nbytes
             self._shard_bytes += batch.nbytes
-            if self._buffered_rows >= ROW_GROUP_ROWS:
+            if self._buffered_rows >= ROW_GROUP_ROWS or self._buffered_bytes >= ROW_GROUP_BYTES:
                 self._flush()
             if self._shard_bytes >= self.target_bytes:
                 self._close_shard()
@@ -153,6 +158,7 @@ class ShardWriter:
         self._shard_rows += table.num_rows
         self._buffer.clear()
         self._buffered_rows = 0
+        self._buffered_bytes = 0
 
     def _close_shard(self) -> None:
         self._flush()
@@ -242,12 +248,41 @@ def open_shard(source: Any, label: str | os.PathLike, schema: pa.Schema | None =
 
 
 def shard_batches(parquet: pq.ParquetFile, label: str | os.PathLike, *, columns: list[str] | None = None,
-                  batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
-    """`parquet.iter_batches`, with a corrupt page reported as an error naming the shard."""
+                  batch_size: int = 1024, max_bytes: int | None = None) -> Iterator[pa.RecordBatch]:
+    """`parquet.iter_batches`, with a corrupt page reported as an error naming the shard.
+
+    With `max_bytes`, a batch whose strings (text, ids, metadata) exceed it is
+    yielded as consecutive slices of at most that many bytes (at least one row
+    each): a stage's working memory grows with the bytes it judges at once, and
+    `batch_size` rows of documents of up to `ingest.max_bytes` would be gigabytes.
+    """
     try:
-        yield from parquet.iter_batches(batch_size=batch_size, columns=columns)
+        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+            yield from byte_slices(batch, max_bytes) if max_bytes else (batch,)
     except (pa.ArrowException, OSError) as exc:
         raise AssayError(f"{label}: corrupt Parquet data ({exc})") from None
+
+
+def byte_slices(batch: pa.RecordBatch, max_bytes: int) -> Iterator[pa.RecordBatch]:
+    """Consecutive zero-copy slices of `batch`, each's string and binary values at most `max_bytes` (or one row)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    sizes = np.zeros(batch.num_rows, dtype=np.int64)
+    for column in batch.columns:
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or \
+                pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            sizes += np.asarray(pc.fill_null(pc.binary_length(column), 0), dtype=np.int64)
+    if int(sizes.sum()) <= max_bytes:
+        yield batch
+        return
+    ends = np.cumsum(sizes)
+    start = 0
+    while start < batch.num_rows:
+        before = int(ends[start - 1]) if start else 0
+        stop = max(int(np.searchsorted(ends, before + max_bytes, side="right")), start + 1)
+        yield batch.slice(start, stop - start)
+        start = stop
 
 
 def iter_batches(

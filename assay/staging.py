@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from assay.errors import AssayError
 
@@ -95,6 +96,16 @@ class UnitWriter:
     @property
     def quarantine(self) -> ShardWriter:
         return self.streams[QUARANTINE]
+
+    def write_decisions(self, decisions: pa.RecordBatch) -> None:
+        """Write one batch of a judging stage's decisions and count them: ``input``, ``kept`` and
+        ``drop:<reason>`` per reason, the counts every stage's manifest and summary report."""
+        self.decisions.write(decisions)
+        self.counts["input"] += decisions.num_rows
+        self.counts["kept"] += int(pc.sum(decisions.column("kept")).as_py() or 0)
+        reasons = pc.drop_null(decisions.column("reason"))
+        for entry in pc.value_counts(pc.filter(reasons, pc.not_equal(reasons, ""))).to_pylist():
+            self.counts[f"drop:{entry['values']}"] += entry["counts"]
 
     def finish(self, *, bytes_in: int, seconds: float) -> UnitResult:
         shards = {name: writer.close() for name, writer in self.streams.items()}

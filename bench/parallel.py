@@ -1,6 +1,7 @@
 """Data-parallel training on CPU: tokens/s and bytes per rank for each mode at 1, 2 and 4 ranks.
 
     python bench/parallel.py [--data DIR] [--steps 20] [--dim 128] [--layers 4] [--ranks 1,2,4]
+        [--modes ddp,ddp+zero1,fsdp,tp,fsdp+tp,pp,fsdp+pp,ddp+pp]
 
 Each mode trains the same model on the same data and seed through `assay train`'s
 torchrun path (training.parallel.worker), one CPU thread per rank, and reports from
@@ -41,6 +42,9 @@ MODES = {
     "fsdp": (None, {"dp_shard": -1}),
     "tp": (None, {"tp": -2, "dp_shard": 1}),  # every rank one tensor-parallel shard
     "fsdp+tp": (None, {"dp_shard": -1, "tp": 2}),  # 4 ranks: dp_shard 2 × tp 2
+    "pp": (2, {"pp": 2, "dp_shard": 1}),  # two stages (params.yaml's schedule: 1F1B unless set)
+    "fsdp+pp": (4, {"dp_shard": 2, "pp": 2}),  # each stage FSDP-sharded over 2 ranks
+    "ddp+pp": (4, {"dp_replicate": 2, "dp_shard": 1, "pp": 2}),  # each stage replicated over 2 ranks
 }
 
 
@@ -76,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--modes", default="ddp,ddp+zero1,fsdp")
+    ap.add_argument("--modes", default="ddp,ddp+zero1,fsdp", help=f"comma-separated, of {', '.join(m for m in MODES if m != 'single')}")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="assay-bench-parallel-"))
@@ -99,8 +103,9 @@ def main(argv=None) -> int:
     rows.append(("single", 1, baseline))
     for mode in args.modes.split(","):
         for ranks in (int(r) for r in args.ranks.split(",")):
-            if ranks == 1 or (mode == "fsdp+tp" and ranks < 4):  # fsdp+tp on 2 ranks would be tp alone
-                continue
+            fixed = MODES[mode][0]
+            if ranks == 1 or (mode == "fsdp+tp" and ranks < 4) or (fixed is not None and ranks != fixed):
+                continue  # fsdp+tp on 2 ranks would be tp alone; pp modes run at their one size
             rows.append((mode, ranks, run(data, params_file, tmp / f"{mode}-{ranks}", ranks, layout(mode, ranks),
                                           args.steps)))
 

@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="Override train.seq_len")
     parser.add_argument("--max-rows", type=int, default=None, help="Override score.max_rows")
     parser.add_argument("--params-file", type=Path, default=None, help="params.yaml for the filter (default: the repo's)")
+    parser.add_argument("--reference-aggregate", choices=("tokens", "documents", "unit"), default=None,
+                        help="Override score.reference_aggregate; scores go to OUT/scores-AGG and the results to "
+                             "OUT/results-AGG.json, so several can be compared on one round 0")
+    parser.add_argument("--resume", action="store_true",
+                        help="Reuse OUT's round 0 when it has finished (the same corpus and settings), e.g. to "
+                             "score it again with another --reference-aggregate")
     args = parser.parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,17 +215,20 @@ def main(argv: list[str] | None = None) -> None:
           f"eval set: {read(evaluation).num_rows}", flush=True)
 
     t = time.perf_counter()
-    round0 = train(open_version(corpus), args.out / "round-0", train_params, overwrite=True, progress=False)
+    round0 = train(open_version(corpus), args.out / "round-0", train_params, overwrite=not args.resume, progress=False)
     timings["round0_s"] = round(time.perf_counter() - t, 1)
     print(f"round 0: {timings['round0_s']} s, skipped steps {round0.metrics['skipped_steps']}", flush=True)
 
     reference = {k: float(v) for k, v in (item.split("=") for item in args.reference.split(","))}
     score_params = dataclasses.replace(params.score, checkpoints=[steps // 2, steps], reference=reference, device="cpu",
-                                       max_rows=args.max_rows or params.score.max_rows)
+                                       max_rows=args.max_rows or params.score.max_rows,
+                                       reference_aggregate=args.reference_aggregate or params.score.reference_aggregate)
+    tag = f"-{args.reference_aggregate}" if args.reference_aggregate else ""
+    scores_dir, results_file = args.out / f"scores{tag}", args.out / f"results{tag}.json"
     t = time.perf_counter()
-    score_dataset(args.out / "round-0", corpus, args.out / "scores", score_params, overwrite=True, progress=False)
+    score_dataset(args.out / "round-0", corpus, scores_dir, score_params, overwrite=True, progress=False)
     timings["score_s"] = round(time.perf_counter() - t, 1)
-    scores, telemetry = read_scores(args.out / "scores"), read_telemetry(args.out / "round-0")
+    scores, telemetry = read_scores(scores_dir), read_telemetry(args.out / "round-0")
     print(f"scores: {timings['score_s']} s", flush=True)
 
     # The filter's params and code are read now, not at the start, so a long round 0 can be
@@ -229,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
 
     judged = verdicts(scores, telemetry, params.dynamic)
     verdict = {r["id"]: r for r in judged.select(["id", "kept", "reason"]).to_pylist()}
-    reference_ids = set((args.out / "scores" / "reference.txt").read_text().split())
+    reference_ids = set((scores_dir / "reference.txt").read_text().split())
     ids = docs.column("id").to_pylist()
     sources = dict(zip(ids, docs.column("source").to_pylist()))
     planted = [i for i in ids if planted_kind(i)]
@@ -273,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
             for k in ("code", "text")},
         "params": {"dynamic": dataclasses.asdict(params.dynamic), "score": dataclasses.asdict(score_params)},
     }
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    results_file.write_text(json.dumps(results, indent=2))
     print(json.dumps({k: results[k] for k in ("recall", "by_reason", "false_positive_rate", "auc")}, indent=2), flush=True)
 
     if not args.skip_round_1:
@@ -293,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
             round1["curated"]["val_loss"] - round1["uncurated"]["val_loss"], 5)
         results["round1"] = round1
     results["timings"] = timings
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    results_file.write_text(json.dumps(results, indent=2))
     print(json.dumps(results.get("round1", {}), indent=2))
 
 

@@ -20,14 +20,20 @@ Four labelled sets, labels by provenance only:
   (`assay.quality.fresh`): reported, never chosen on, but their numbers
   were seen before this change;
 - **fresh set 2** (`assay.quality.fresh2`, its manifest
-  tests/data/tier1_fresh2_manifest.tsv written before any score): unseen
+  tests/data/tier1_fresh2_manifest.tsv written before any score): scored
+  first by the tier1c change's run; its misses motivated the records rule's
+  comment and value-line classes, so it is seen now;
+- **fresh set 3** (`assay.quality.fresh3`, its manifest
+  tests/data/tier1_fresh3_manifest.tsv written before any score): unseen
   until this run, never chosen on.
 
-On each, side by side, the **previous** settings (reflow, Gopher rules for
+On each, three settings: the **previous** ones (reflow, Gopher rules for
 plain-text file sources, the calibrated raw-words head at 0.65: no markup
-step, no records rule) and the **new** ones (params.yaml): heuristics alone,
-the head alone, tier 1 (both), the head's ROC AUC on every labelled document,
-and per kind the keep rates.
+step, no records rule), the ones **before** the records rule's comment and
+value-line classes (params.yaml with `skip_comments` and `value_lines`
+off), and the **new** ones (params.yaml): heuristics alone, the head alone,
+tier 1 (both), the head's ROC AUC on every labelled document, and per kind
+the keep rates (before -> new side by side).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def without_records(source_rules: dict) -> dict:
 
 
 def previous_params(params, head: str):
-    """params.yaml with the settings this change replaced."""
+    """params.yaml with the settings the tier1c change replaced (no markup step, no records rule, raw-words head)."""
     h = params.static.heuristics
     heuristics = dataclasses.replace(h, markup=dataclasses.replace(h.markup, enabled=False),
                                      records=dataclasses.replace(h.records, enabled=False))
@@ -71,6 +77,14 @@ def previous_params(params, head: str):
                                  source_rules=without_records(params.static.source_rules),
                                  threshold=PREVIOUS_THRESHOLD)
     return dataclasses.replace(params, static=static, quality=dataclasses.replace(params.quality, markup=False))
+
+
+def before_params(params):
+    """params.yaml without the records rule's comment and value-line classes (the tier1c settings)."""
+    h = params.static.heuristics
+    records = dataclasses.replace(h.records, skip_comments=False, value_lines=False)
+    heuristics = dataclasses.replace(h, records=records)
+    return dataclasses.replace(params, static=dataclasses.replace(params.static, heuristics=heuristics))
 
 
 def _batch(docs: dict):
@@ -107,9 +121,10 @@ def choose_on_dev(docs: dict, params, previous_scorer, new_scorer) -> dict:
     out["markup"] = {str(k): v for k, v in markup.items()}
     out["chosen_markup"] = max(eligible, key=lambda m: (markup[m]["tier1"]["good_kept"], not m))
 
-    # 2. the records rule alone: the lowest grid value dropping <= 1% of dev good prose.
+    # 2. the records rule alone (line classes as params.yaml): the lowest grid value dropping <= 1% of dev good prose.
     frac = RecordsFilter(dataclasses.replace(h.records, max_field_lines_frac=None)).apply(batch).scores[
         "records:field_lines_frac"]
+    frac = np.nan_to_num(frac, nan=0.0)
     sources = np.array(docs["source"])
     grid = {}
     for t in RECORDS_GRID:
@@ -119,6 +134,21 @@ def choose_on_dev(docs: dict, params, previous_scorer, new_scorer) -> dict:
     out["records_grid"] = grid
     ok = [t for t in RECORDS_GRID if grid[t]["good_dropped"] <= 0.01]
     out["chosen_records"] = min(ok) if ok else None
+
+    # 2b. the records rule's line classes (comment lines out of the share, `key value` lines as fields):
+    # each on unless, with it, the rule alone at the chosen threshold drops > 1% of dev good prose.
+    classes = {}
+    t = out["chosen_records"] if out["chosen_records"] is not None else 0.5
+    for comments in (False, True):
+        for values in (False, True):
+            rp = dataclasses.replace(h.records, max_field_lines_frac=None, skip_comments=comments, value_lines=values)
+            f = np.nan_to_num(RecordsFilter(rp).apply(batch).scores["records:field_lines_frac"], nan=0.0)
+            classes[f"comments {'out' if comments else 'in'}, value lines {'on' if values else 'off'}"] = {
+                "good_dropped": float((f[labels == 1] > t).mean()), "junk_dropped": float((f[labels == 0] > t).mean()),
+                "max_good_frac": float(f[labels == 1].max()) if (labels == 1).any() else float("nan")}
+    out["records_classes"] = classes
+    out["chosen_skip_comments"] = classes["comments out, value lines off"]["good_dropped"] <= 0.01
+    out["chosen_value_lines"] = classes["comments in, value lines on"]["good_dropped"] <= 0.01
 
     # 3. the head reading markup-stripped words or not, with the heuristics chosen so far.
     hh = dataclasses.replace(h, markup=dataclasses.replace(h.markup, enabled=out["chosen_markup"]),
@@ -159,6 +189,14 @@ def print_choice(choice: dict, params) -> None:
     for t, v in choice["records_grid"].items():
         print(f"| {t} | {pct(v['good_dropped'])} | {pct(v['junk_dropped'])} | {pct(v['pypi_metadata_dropped'])} |")
     print(f"\nchosen: {choice['chosen_records']} (params.yaml: {params.static.heuristics.records.max_field_lines_frac})\n")
+    print("| 2b. records line classes (rule alone at the chosen threshold) | good prose dropped | junk dropped | "
+          "largest share on good prose |")
+    print("|---|---:|---:|---:|")
+    for name, v in choice["records_classes"].items():
+        print(f"| {name} | {pct(v['good_dropped'])} | {pct(v['junk_dropped'])} | {v['max_good_frac']:.2f} |")
+    r = params.static.heuristics.records
+    print(f"\nchosen: skip_comments {choice['chosen_skip_comments']}, value_lines {choice['chosen_value_lines']} "
+          f"(params.yaml: {r.skip_comments}, {r.value_lines})\n")
     print("| 3. the head reads | AUC (dev, every labelled document) | tier 1 at 0.65: good kept / junk dropped |")
     print("|---|---:|---|")
     for name, v in choice["head"].items():
@@ -169,18 +207,18 @@ def print_choice(choice: dict, params) -> None:
           f"good kept + junk dropped per threshold: {grid}\n")
 
 
-def print_side_by_side(name: str, old: dict, new: dict) -> None:
+def print_side_by_side(name: str, old: dict, new: dict, was: str = "before") -> None:
     print(f"## {name}: {new['documents']} text documents, {new['labelled']} labelled "
           f"({new['heuristics']['good']} good, {new['heuristics']['junk']} junk)\n")
-    print("| judge | previous: good kept | previous: junk dropped | new: good kept | new: junk dropped | new: precision |")
+    print(f"| judge | {was}: good kept | {was}: junk dropped | new: good kept | new: junk dropped | new: precision |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, key in (("heuristics", "heuristics"), ("head alone", "head"), ("**tier 1**", "tier1")):
         o, n = old[key], new[key]
         print(f"| {label} | {pct(o['good_kept'])} | {pct(o['junk_dropped'])} | {pct(n['good_kept'])} | "
               f"{pct(n['junk_dropped'])} | {pct(n['precision'])} |")
-    print(f"\nhead ROC AUC on every labelled document: previous {old['head']['auc']:.4f}, new {new['head']['auc']:.4f}; "
-          f"ECE: previous {old['head']['ece']:.3f}, new {new['head']['ece']:.3f}")
-    print("\n| kind | label | n | previous: heuristics / head / tier 1 keep | new: heuristics / head / tier 1 keep | "
+    print(f"\nhead ROC AUC on every labelled document: {was} {old['head']['auc']:.4f}, new {new['head']['auc']:.4f}; "
+          f"ECE: {was} {old['head']['ece']:.3f}, new {new['head']['ece']:.3f}")
+    print(f"\n| kind | label | n | {was}: heuristics / head / tier 1 keep | new: heuristics / head / tier 1 keep | "
           "top drop reasons (new heuristics) |")
     print("|---|---|---:|---|---|---|")
     for source, v in new["per_source"].items():
@@ -193,15 +231,16 @@ def print_side_by_side(name: str, old: dict, new: dict) -> None:
 
 
 def print_summary(results: dict) -> None:
-    print("## summary: tier 1 (heuristics, then the head), previous -> new\n")
+    print("## summary: tier 1 (heuristics, then the head), previous -> before -> new\n")
     print("| set | labelled (good / junk) | good prose kept | junk dropped | head AUC (every document) |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        o, n = r["previous"], r["new"]
+        o, b, n = r["previous"], r["before"], r["new"]
         print(f"| {name} | {n['heuristics']['good']} / {n['heuristics']['junk']} | "
-              f"{pct(o['tier1']['good_kept'])} -> **{pct(n['tier1']['good_kept'])}** | "
-              f"{pct(o['tier1']['junk_dropped'])} -> **{pct(n['tier1']['junk_dropped'])}** | "
-              f"{o['head']['auc']:.3f} -> {n['head']['auc']:.3f} |")
+              f"{pct(o['tier1']['good_kept'])} -> {pct(b['tier1']['good_kept'])} -> **{pct(n['tier1']['good_kept'])}** | "
+              f"{pct(o['tier1']['junk_dropped'])} -> {pct(b['tier1']['junk_dropped'])} -> "
+              f"**{pct(n['tier1']['junk_dropped'])}** | {o['head']['auc']:.3f} -> {b['head']['auc']:.3f} -> "
+              f"{n['head']['auc']:.3f} |")
     print()
 
 
@@ -224,11 +263,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--params", help="params.yaml (default: the nearest one)")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--dev-only", action="store_true", help="only the dev part's choices (no other set is scored)")
+    parser.add_argument("--seen-only", action="store_true", help="score only the sets seen before (not fresh set 3)")
     args = parser.parse_args(argv)
 
     from assay.config import load_params
     from assay.quality.fresh import FRESH_LABELS, read_fresh
     from assay.quality.fresh2 import FRESH2_LABELS, read_fresh2
+    from assay.quality.fresh3 import FRESH3_LABELS, read_fresh3
     from assay.quality.pool import DEV, MEASURED, measure_tier1, read_pool
     from assay.quality.scorer import HeadScorer
 
@@ -247,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     head = args.head or train(raw, params, str(work / "head"))
     new = dataclasses.replace(params, static=dataclasses.replace(params.static, head=head, model=None))
     old = previous_params(new, prev_head)
+    before = before_params(new)
     prev_scorer, new_scorer = HeadScorer(prev_head), HeadScorer(head)
     if new_scorer.needs_embeddings or prev_scorer.needs_embeddings:
         raise SystemExit("this benchmark measures words heads (quality.features: words)")
@@ -259,25 +301,32 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dev_only:
         return result
     fresh2, fresh2_labels, missing = read_fresh2()
-    print(f"fresh set 2: {len(fresh2['id'])} documents read back from the manifest; not readable: {missing or 'none'}\n")
+    print(f"fresh set 2: {len(fresh2['id'])} documents read back from the manifest; not readable: {missing or 'none'}")
+    fresh3, fresh3_labels, missing3 = read_fresh3()
+    print(f"fresh set 3: {len(fresh3['id'])} documents read back from the manifest; not readable: {missing3 or 'none'}"
+          f"{' (not scored: --seen-only)' if args.seen_only else ''}\n")
     sets = (
         ("pool dev part (chosen on)", dev, None),
         ("pool measured part (seen before)", read_pool(raw, new, part=MEASURED), None),
         ("fresh set 1 (seen before)", read_fresh(), FRESH_LABELS),
-        ("fresh set 2 (unseen)", fresh2, FRESH2_LABELS),
-    )
+        ("fresh set 2 (seen: scored by tier1c)", fresh2, FRESH2_LABELS),
+        ("fresh set 3 (unseen)", fresh3, FRESH3_LABELS),
+    )[: 4 if args.seen_only else 5]
     results = {}
     for name, docs, labels in sets:
         extra = {} if labels is None else {"source_labels": labels}
         o = measure_tier1(docs, old, None, prev_scorer, **extra)
+        b = measure_tier1(docs, before, None, new_scorer, **extra)
         n = measure_tier1(docs, new, None, new_scorer, **extra)
-        print_side_by_side(name, o, n)
-        results[name] = {"previous": o, "new": n}
+        print_side_by_side(name, b, n)
+        results[name] = {"previous": o, "before": b, "new": n}
     # The manifest's labels are the ones measured (same kind + length rule, checked here).
     from assay.quality.pool import labels_by_source
 
     recomputed = labels_by_source(fresh2["source"], [len(t) for t in fresh2["text"]], FRESH2_LABELS)
     assert (recomputed == fresh2_labels).all(), "fresh set 2: labels differ from the manifest's"
+    recomputed = labels_by_source(fresh3["source"], [len(t) for t in fresh3["text"]], FRESH3_LABELS)
+    assert (recomputed == fresh3_labels).all(), "fresh set 3: labels differ from the manifest's"
     print_summary(results)
     result["sets"] = results
     print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, heads: {prev_head}, {head})")

@@ -602,3 +602,51 @@ def test_a_negative_thread_count_is_a_clear_error():
 
     with pytest.raises(AssayError, match="jsonl_threads must be 0 or more"):
         IngestOptions(jsonl_threads=-1)
+
+
+def _random_json_value(rng, depth: int):
+    """Strings full of the bytes that decide nesting: quotes, backslash runs, brackets, non-ASCII."""
+    roll = rng.random()
+    if depth > 7 or roll < 0.35:
+        return rng.choice(['x"y', "a\\", '\\"[{', "}]", "[[[", "plain", 'q\\\\"', "\\\\\\", 1, None, 2.5, "é[ü",
+                           True, '"', "{\\}"])
+    if roll < 0.65:
+        return [_random_json_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(["a", "b[", 'c"', "d\\", "{"]): _random_json_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def test_nesting_depths_equal_the_depth_of_the_parsed_value():
+    import random
+
+    import numpy as np
+
+    from assay.ingest.jsonl import _depth, nesting_depths
+
+    rng = random.Random(7)
+    lines = [json.dumps({"text": _random_json_value(rng, 1), "m": _random_json_value(rng, 1)},
+                        ensure_ascii=rng.random() < 0.5).encode() + b"\n" for _ in range(3000)]
+    lines += [b'{"text": "' + b"\\\\" * k + b'", "d": [[1]]}\n' for k in range(6)]  # even runs end the string
+    lines += [b'{"text": "a\\"]]]\\\\", "d": {"e": [{}]}}\n', b'{"text": "[{" , "d": [[[["\\\\\\""]]]]}\n']
+    data = b"".join(lines)
+    ends = np.cumsum([len(x) for x in lines])
+    starts = ends - [len(x) for x in lines]
+    want = np.array([_depth(json.loads(x)) for x in lines])
+    assert want.max() >= 8 and len(set(want.tolist())) >= 6  # the sample is varied
+    a = np.frombuffer(data, np.uint8)
+    assert nesting_depths(a, starts, ends).tolist() == want.tolist()
+    for size in (500, 40, 1):  # subsets of the lines, as a block asks: one pass over the span, or line by line
+        some = np.array(sorted(rng.sample(range(len(lines)), size)))
+        assert nesting_depths(a, starts[some], ends[some]).tolist() == want[some].tolist()
+
+
+def test_brackets_inside_strings_do_not_send_a_line_to_python(tmp_path):
+    code = "int main(void) { int a[3] = {1, 2, 3}; if (a[0]) { return a[1]; } }\n" * 60  # 300+ brackets
+    records = [{"id": f"c{i}", "text": code, "path": f"src/m{i}.c"} for i in range(20)]
+    records.insert(5, {"id": "deep", "text": "x", "d": json.loads("[" * 300 + "]" * 300)})
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", max_bytes=100_000)
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines", max_bytes=100_000)
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert counts["quarantined"] == 1  # the line nested 301 deep, by Python, as before
+    assert counts["jsonl_lines_python"] == 1 and counts["jsonl_lines_arrow"] == 20

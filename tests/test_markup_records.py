@@ -263,3 +263,115 @@ def test_records_is_a_switch_with_a_nullable_threshold(tmp_path):
     # The per-source choice may name it; the default gives it to the plain-text file sources.
     assert all("records" in v for v in Params().static.source_rules.values())
     assert dataclasses.replace(Params().static, source_rules={"x": ["records"]}).source_rules == {"x": ["records"]}
+
+
+#: A systemd unit as shipped (shape of /lib/systemd/system/*.service): an English licence comment block,
+#: then the record. The comment's lines outnumber the fields.
+SYSTEMD_UNIT = """#  SPDX-License-Identifier: LGPL-2.1-or-later
+#
+#  This file is part of systemd.
+#
+#  systemd is free software; you can redistribute it and/or modify it
+#  under the terms of the GNU Lesser General Public License as published by
+#  the Free Software Foundation; either version 2.1 of the License, or
+#  (at your option) any later version.
+#
+#  You should have received a copy of the GNU Lesser General Public License
+#  along with this program; if not, see the licence's own web page for details.
+
+[Unit]
+Description=Journal Service
+Documentation=man:systemd-journald.service(8) man:journald.conf(5)
+DefaultDependencies=no
+
+[Service]
+ExecStart=/lib/systemd/systemd-journald
+Restart=always
+"""
+
+#: A glibc locale source (shape of /usr/share/i18n/locales/*): `%` comments in English, then `keyword value`
+#: lines whose values are quoted strings, <symbols> and numbers, in LC_* blocks.
+LOCALE_SOURCE = """comment_char %
+escape_char /
+
+% This file is part of the GNU C Library and contains locale data.
+% The Free Software Foundation does not claim any copyright interest
+% in the locale data contained in this file.  The foregoing does not
+% affect the license of the GNU C Library as a whole.  It does not
+% exempt you from the conditions of the license if your use would
+% otherwise be governed by that license.
+
+LC_IDENTIFICATION
+title      "English locale for an example country"
+source     "Example"
+language   "English"
+revision   "1.0"
+date       "2000-06-29"
+END LC_IDENTIFICATION
+
+LC_MONETARY
+int_curr_symbol         "XYZ "
+currency_symbol         "<U0024>"
+mon_decimal_point       "."
+mon_grouping            3;3
+int_frac_digits         2
+p_cs_precedes           1
+END LC_MONETARY
+
+LC_TIME
+abday   "<U0053><U0075><U006E>";"<U004D><U006F><U006E>";/
+        "<U0054><U0075><U0065>";"<U0057><U0065><U0064>"
+d_fmt   "<U0025><U0064>/<U0025><U006D>/<U0025><U0079>"
+END LC_TIME
+"""
+
+
+def test_records_with_a_licence_comment_block_are_still_records():
+    """Comment lines are neither fields nor the document's prose: out of the share, so a unit or a locale
+    source that opens with an English licence block is dropped (the previous rule kept both: fresh set 2)."""
+    result = RecordsFilter().apply(batch(SYSTEMD_UNIT, LOCALE_SOURCE))
+    frac = result.scores["records:field_lines_frac"]
+    assert frac[0] == 1.0 and frac[1] > 0.7  # the LC_* / END lines are not fields
+    assert result.keep.tolist() == [False, False]
+    assert result.reason == ["records:field_lines_frac"] * 2
+    # Without the two line classes the share is the previous rule's: under 0.5, both kept.
+    before = RecordsFilter(RecordsParams(skip_comments=False, value_lines=False)).apply(batch(SYSTEMD_UNIT, LOCALE_SOURCE))
+    assert (before.scores["records:field_lines_frac"] < 0.5).all() and before.keep.tolist() == [True, True]
+    # Each class alone: comments out catches the unit; the locale needs its value lines recognised too.
+    comments = RecordsFilter(RecordsParams(value_lines=False)).apply(batch(SYSTEMD_UNIT, LOCALE_SOURCE))
+    assert comments.keep.tolist() == [False, True]
+
+
+def test_value_lines_are_fields_only_when_no_value_is_a_word():
+    from filters.records import field_lines
+
+    fields = ['copy "en_GB"', "mon_grouping 3;3", "comment_char %", '<U00C4> "<U0041><U0308>" % A umlaut',
+              "libdir $prefix/lib", "timeout 30", "include \"translit_combining\";\"\""]
+    prose = ["Chapter 3 covers the rest of the format.", "See the manual", "Version 2.0 was released in May",
+             "Hello world", "Installation", '    indented "value"', 'He said "yes" to it', "word 3 words"]
+    lines = fields + prose
+    row = np.zeros(len(lines), dtype=np.int64)
+    assert field_lines(pa.array(lines), row, value_lines=True).tolist() == [True] * len(fields) + [False] * len(prose)
+    # Off (the default of the bare function, as before): none of these is a `Key: value` field.
+    assert not field_lines(pa.array(lines), row).any()
+
+
+def test_comment_lines_do_not_turn_prose_into_a_record():
+    """Markdown headings and a commented example are comment lines to the rule: prose around them keeps
+    a low share; a document of comments only has no share (NaN) and is kept by this rule."""
+    markdown = ("# Frobnicate\n\n" + PROSE + "\n\n## Usage\n\n" + PROSE + "\n\n```\n# a comment in an example\n"
+                "frob --all\n```\n\nLicense: MIT\n")
+    comments_only = "# one\n# two\n; three\n% four\n// five\n"
+    result = RecordsFilter().apply(batch(markdown, comments_only, PROSE))
+    frac = result.scores["records:field_lines_frac"]
+    assert frac[0] < 0.1 and np.isnan(frac[1]) and frac[2] == 0.0
+    assert result.keep.tolist() == [True, True, True]
+
+
+def test_records_line_classes_are_switches_in_params(tmp_path):
+    assert RecordsParams().skip_comments is True and RecordsParams().value_lines is True
+    yaml = tmp_path / "params.yaml"
+    yaml.write_text("static:\n  heuristics:\n    records:\n      skip_comments: false\n      value_lines: false\n")
+    r = load_params(yaml).static.heuristics.records
+    assert r.skip_comments is False and r.value_lines is False
+    assert load_params().static.heuristics.records == RecordsParams()  # params.yaml and config.py agree

@@ -257,11 +257,23 @@ def _autograd_gradients(tiny, table, n_docs: int = 6):
         loss.backward()
         return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()])
 
-    refs = {}
+    # Per kind and score.reference_aggregate, the reference gradient from each reference document's
+    # own gradient; "tokens" also as one backward of the whole set's mean token loss (the definition).
+    refs = {"tokens": {}, "documents": {}, "unit": {}}
     for kind in ("text", "code"):
         members = [r["sample_id"] for r in table if r["reference"] and r["kind"] == kind]
         b = capped_batch(members)
-        refs[kind] = flat_grad(token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum())
+        whole = flat_grad(token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum())
+        own = []
+        for doc_id in members:
+            bd = capped_batch([doc_id])
+            n = int(bd.loss_mask.sum())
+            own.append((flat_grad(token_losses(model(bd.tokens), bd.targets, bd.loss_mask).sum() / n), n))
+        by_tokens = sum(g * n for g, n in own) / sum(n for _, n in own)
+        assert torch.allclose(by_tokens, whole, rtol=1e-4, atol=1e-7)
+        refs["tokens"][kind] = whole
+        refs["documents"][kind] = sum(g for g, _ in own) / len(own)
+        refs["unit"][kind] = sum(g / g.norm() for g, _ in own) / len(own)
     docs = []
     for doc_id in [r["sample_id"] for r in table if not r["reference"]][:n_docs]:
         b = capped_batch([doc_id])
@@ -270,16 +282,41 @@ def _autograd_gradients(tiny, table, n_docs: int = 6):
     return ck, model, refs, docs
 
 
-def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored):
-    """End to end: the reference gradient and each document's gradient recomputed by plain
-    autograd from the run's checkpoint, rows built as training builds them."""
-    _, _, refs, docs = _autograd_gradients(tiny, scored["table"].to_pylist())
+@pytest.mark.parametrize("aggregate", ["unit", "tokens", "documents"])
+def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored, aggregate, tmp_path):
+    """End to end: the reference gradient (each score.reference_aggregate) and each document's
+    gradient recomputed by plain autograd from the run's checkpoint, rows built as training builds them."""
+    from training.score import read_scores, score_dataset
+
+    assert ScoringParams().reference_aggregate == "unit" and score_params().reference_aggregate == "unit"
+    if aggregate == "unit":
+        table = scored["table"]
+    else:
+        out = tmp_path / "scores"
+        manifest = score_dataset(tiny["run"], tiny["data"], out, score_params(reference_aggregate=aggregate),
+                                 progress=False)
+        assert manifest["params"]["reference_aggregate"] == aggregate
+        table = read_scores(out)
+    _, _, refs, docs = _autograd_gradients(tiny, table.to_pylist())
+    # tokens and documents coincide when every reference document has the same scored length
+    # (here most are capped at max_rows), so each is told apart from unit, and unit from tokens.
+    other = "tokens" if aggregate == "unit" else "unit"
+    moved = 0
     for row, loss, tokens, g in docs:
-        ref = refs[row["stratum"]]
+        ref = refs[aggregate][row["stratum"]]
         assert row["tokens"] == tokens
         assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["grad_norm"] == pytest.approx(float(g.norm()), rel=1e-4)
         assert row["alignment"] == pytest.approx(float(g @ ref / (g.norm() * ref.norm())), abs=1e-4)
+        # The aggregates are different references: the check above would catch a swapped one.
+        alt = refs[other][row["stratum"]]
+        moved += abs(row["alignment"] - float(g @ alt / (g.norm() * alt.norm()))) > 1e-3
+    assert moved >= len(docs) // 2
+
+
+def test_reference_aggregate_is_checked():
+    with pytest.raises(AssayError, match="reference_aggregate must be tokens, documents or unit"):
+        score_params(reference_aggregate="median")
 
 
 def test_adam_preconditioned_alignment_is_the_cosine_with_p_g(tiny, scored, tmp_path):
@@ -308,7 +345,7 @@ def test_adam_preconditioned_alignment_is_the_cosine_with_p_g(tiny, scored, tmp_
     raw = {r["sample_id"]: r["alignment"] for r in scored["table"].to_pylist()}
     moved = 0
     for row, loss, _, g in docs:
-        pg = scale * refs[row["stratum"]]
+        pg = scale * refs["unit"][row["stratum"]]
         assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["alignment"] == pytest.approx(float(g @ pg / (g.norm() * pg.norm())), abs=1e-4)
         moved += abs(row["alignment"] - raw[row["sample_id"]]) > 1e-3

@@ -332,3 +332,70 @@ def test_fresh2_reads_no_file_of_the_earlier_sets():
     assert not {_project(p) for p in new_dist_infos()} & seen
     assert len(set(docs["text"])) == len(docs["text"])  # each text once
     assert (labels == GOOD).sum() >= 100 and (labels == JUNK).sum() >= 100
+
+
+# --- fresh set 3 --------------------------------------------------------------------------
+
+
+def test_fresh3_labels_are_by_provenance_only_and_the_manifest_says_so():
+    """The committed manifest (written before any score) labels each document by its kind alone (good
+    kinds take only texts over the length floor); nothing else about the text."""
+    from assay.quality.fresh import FRESH_LABELS
+    from assay.quality.fresh2 import FRESH2_LABELS
+    from assay.quality.fresh3 import FRESH3_LABELS, KINDS, MANIFEST, RULES, label_of, read_manifest
+    from filters.heuristics import rules_for
+
+    assert set(FRESH3_LABELS) == set(KINDS) == set(RULES)
+    assert not set(FRESH3_LABELS) & (set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(POOL_SOURCES))
+    rows = read_manifest(MANIFEST)
+    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
+    assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
+    names = {GOOD: "good", JUNK: "junk", UNLABELLED: "unlabelled"}
+    for row in rows:
+        assert row["label"] == names[FRESH3_LABELS[row["kind"]]] == names[label_of(row["kind"], "x" * int(row["chars"]))]
+        assert row["rule"] == RULES[row["kind"]]
+    labels = [r["label"] for r in rows]
+    assert labels.count("good") >= 100 and labels.count("junk") >= 200
+    assert len({r["kind"] for r in rows if r["label"] == "good"}) >= 4
+    assert len({r["kind"] for r in rows if r["label"] == "junk"}) >= 6
+    static = Params().static
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
+               for k in FRESH3_LABELS)
+
+
+def test_fresh3_is_disjoint_from_the_earlier_sets():
+    """No locator or text of fresh set 2's manifest, no file of the pool's or fresh set 1's candidate
+    lists or of the demo's code side, nothing under the venv (an optional extra cannot change the set)."""
+    import sys
+
+    from assay.ingest.demo import (
+        dist_info_files,
+        doc_files,
+        dpkg_manifests,
+        log_files,
+        metadata_files,
+        package_roots,
+        stdlib_files,
+    )
+    from assay.quality import fresh2
+    from assay.quality.fresh import FILE_KINDS
+    from assay.quality.fresh3 import read_fresh3, read_manifest
+
+    rows = read_manifest()
+    earlier2 = fresh2.read_manifest()
+    assert not {r["locator"] for r in rows} & {r["locator"] for r in earlier2}
+    assert not {r["blake2b"] for r in rows} & {r["blake2b"] for r in earlier2}
+    roots = {sys.prefix} | {str(p) for p in package_roots()}
+    assert not [r["locator"] for r in rows if any(r["locator"].startswith(root + "/") for root in roots)]
+    docs, labels, missing = read_fresh3()
+    if len(docs["id"]) < 0.9 * len(rows):
+        pytest.skip(f"this machine lacks fresh set 3's files ({missing})")
+    earlier = {str(p) for p in metadata_files() + dist_info_files("RECORD") + dist_info_files("entry_points.txt")
+               + doc_files(lambda name: True) + dpkg_manifests() + log_files()}
+    earlier |= {str(p) for p in stdlib_files()}
+    for lister in FILE_KINDS.values():
+        earlier |= {str(p) for p in lister()}
+    paths = {locator.split("#", 1)[0] for locator in docs["path"]}
+    assert not paths & earlier
+    assert len(set(docs["text"])) == len(docs["text"])
+    assert (labels == GOOD).sum() >= 100 and (labels == JUNK).sum() >= 200

@@ -66,7 +66,7 @@ from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
 from training.checkpoint import CHECKPOINTS, SafeReader, _single_process_ok, latest_checkpoint, read_trainer_state
 from training.data import TokenRows, build_rows, make_batch
-from training.grad_norms import token_losses
+from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import Transformer
 from training.tokenizer import TOKENIZER_FILE, load_tokenizer
 from training.trainer import build_model, precision_context
@@ -329,7 +329,15 @@ def adam_preconditioner(checkpoint: Path, model: Transformer) -> dict[str, torch
 
 def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, params: ScoringParams,
                          precision: str, device: torch.device) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """Per stratum, the gradient of the reference documents' mean token loss (fp32)."""
+    """Per stratum, the reference gradient (fp32): by ``score.reference_aggregate``, the gradient of
+    the reference documents' mean token loss (``tokens``: a document weighs by its tokens), the
+    mean of their own mean-loss gradients (``documents``), or the mean of those gradients scaled
+    to unit length (``unit``: every document one equal vote on the direction, whatever its
+    length or gradient size).
+
+    The per-document weights are folded into the loss: ``sum_d w_d L_d`` has the gradient
+    ``sum_d w_d grad L_d``, so ``documents`` is one backward with ``w_d = 1`` and ``unit`` one more
+    with ``w_d = 1 / ||grad L_d||``, the norms from a ghost pass over the same batch."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params_by_name = dict(model.named_parameters())
     # Finest groups used by any stratum; every stratum is a union of them.
@@ -348,9 +356,10 @@ def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, param
         for indices in _length_batches(sub, params.batch_tokens):
             batch = _batch(sub, indices, device)
             model.zero_grad(set_to_none=True)
+            row_weight = _reference_row_weights(model, batch, params.reference_aggregate, precision, device)
             with precision_context(precision, device):
-                loss_sum = token_losses(model(batch.tokens), batch.targets, batch.loss_mask).sum()
-            loss_sum.backward()
+                token_loss = token_losses(model(batch.tokens), batch.targets, batch.loss_mask)
+            (token_loss.sum() if row_weight is None else (token_loss.sum(1) * row_weight).sum()).backward()
             for n in names:
                 if params_by_name[n].grad is not None:
                     acc[n] += params_by_name[n].grad.double()
@@ -359,7 +368,8 @@ def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, param
         sums[group], tokens[group], n_docs[group] = acc, total, int(members.sum())
 
     def combine(groups: list[str]) -> dict[str, torch.Tensor]:
-        n = sum(tokens[g] for g in groups)
+        # tokens: the mean over the groups' tokens; documents/unit: over their documents.
+        n = sum((tokens if params.reference_aggregate == "tokens" else n_docs)[g] for g in groups)
         return {name: (sum(sums[g][name] for g in groups) / max(n, 1)).float() for name in names}
 
     strata = sorted(set(docs.stratum))
@@ -371,6 +381,26 @@ def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, param
                    "reference_tokens": sum(tokens[g] for g in members),
                    "gradient_norm": float(sum(t.double().pow(2).sum() for t in out[s].values())) ** 0.5}
     return out, info
+
+
+def _reference_row_weights(model: Transformer, batch, aggregate: str, precision: str,
+                           device: torch.device) -> torch.Tensor | None:
+    """Per row, the weight of its token losses in the reference loss: ``w_d / N_d`` for the row's
+    document ``d`` (``N_d`` its scored tokens), or None for ``tokens`` (plain sum)."""
+    if aggregate == "tokens":
+        return None
+    n_docs = len(batch.doc_ids)
+    doc_tokens = torch.zeros(n_docs, dtype=torch.float64, device=device).index_add_(
+        0, batch.doc_index, batch.loss_mask.sum(1).double())
+    weight = 1.0 / doc_tokens.clamp(min=1)
+    if aggregate == "unit":
+        with precision_context(precision, device):
+            stats = per_document_loss_and_grad_norm(model, batch.tokens, batch.targets, batch.loss_mask,
+                                                    batch.doc_index, n_docs, weight_grads=False)
+        norm = stats.grad_norm.double().to(device)
+        # A document with no gradient (no scored token, or exactly zero) has no direction to vote.
+        weight = torch.where(norm > 0, weight / norm, torch.zeros_like(weight))
+    return weight[batch.doc_index].to(torch.float32)
 
 
 def _subset(rows: TokenRows, doc_mask: np.ndarray) -> TokenRows:

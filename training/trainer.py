@@ -341,7 +341,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 # A rank without documents runs a masked placeholder row: nothing to attribute.
                 norms = par.telemetry_grad_norms(params.telemetry.grad_norms) if local.has_documents else "off"
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
-                    loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch)
+                    loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens)
                 else:
                     loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, local.loss_scale)
             doc_loss, doc_tokens = par.document_losses(doc_loss, doc_tokens)

@@ -286,6 +286,69 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+#: Up to this many lines, `nesting_depths` scans each line alone rather than their whole span.
+NESTING_LINES_ALONE = 64
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE = (np.uint8(ord(c)) for c in '"\\{}')
+_CASE = np.uint8(0x20)  # "[" | 0x20 == "{" and "]" | 0x20 == "}"; no other byte maps there
+
+
+def nesting_events(data: np.ndarray) -> np.ndarray:
+    """Positions of the bytes that decide JSON nesting: quotes, backslashes and brackets."""
+    # numpy compares a uint8 array with a uint8 scalar several times faster than with an int.
+    folded = data | _CASE
+    return np.flatnonzero((folded == _OPEN) | (folded == _CLOSE) | (data == _QUOTE) | (data == _BACKSLASH))
+
+
+def nesting_depths(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per line `data[starts[i]:ends[i]]` (sorted, disjoint): how deep `[` and `{` nest outside JSON strings.
+
+    For a line that parses, this is `_depth` of its value. For one that does
+    not, it bounds the depth a parser reaches before the first error: up to
+    there, a quote opens or closes a string exactly when it follows an even
+    run of backslashes, as here. Only the quote, backslash and bracket bytes
+    of these lines are looked at.
+    """
+    n = len(starts)
+    deepest = np.zeros(n, np.int64)
+    if not n:
+        return deepest
+    if n <= NESTING_LINES_ALONE:  # a few long lines (code in a text field): only their bytes
+        pos = np.concatenate([nesting_events(data[s:e]) + s for s, e in zip(starts.tolist(), ends.tolist())])
+    else:  # many short ones: one pass over the span is cheaper than a call per line
+        pos = nesting_events(data[starts[0]:ends[-1]]) + starts[0]
+    owner = np.searchsorted(ends, pos, side="right")
+    keep = owner < n
+    keep[keep] = pos[keep] >= starts[owner[keep]]
+    pos, owner = pos[keep], owner[keep]
+    if not len(pos):
+        return deepest
+    byte = data[pos]
+    backslash = byte == _BACKSLASH
+    # Length of the run of backslashes that ends at each event (0 elsewhere).
+    after_backslash = np.zeros(len(pos), bool)
+    after_backslash[1:] = backslash[:-1] & (pos[1:] == pos[:-1] + 1)
+    index = np.arange(len(pos))
+    run_start = np.maximum.accumulate(np.where(backslash & ~after_backslash, index, 0))
+    run = np.where(backslash, index - run_start + 1, 0)
+    escaped = np.zeros(len(pos), bool)
+    escaped[1:] = after_backslash[1:] & (run[:-1] % 2 == 1)
+    quote = (byte == _QUOTE) & ~escaped
+    first = np.searchsorted(owner, np.arange(n))  # each line's first event (len(pos) if none)
+
+    def since_line_start(values: np.ndarray) -> np.ndarray:
+        """Sum of `values` over the events of the same line before each event."""
+        total = np.cumsum(values) - values
+        return total - np.append(total, 0)[first][owner]
+
+    outside = since_line_start(quote.astype(np.int64)) % 2 == 0
+    folded = byte | _CASE
+    step = (outside & (folded == _OPEN)).astype(np.int64) - (outside & (folded == _CLOSE))
+    depth = since_line_start(step) + step
+    has = first < len(pos)
+    deepest[has] = np.maximum.reduceat(depth, first[has])
+    return np.maximum(deepest, 0)
+
+
 def ingest_jsonl_lines(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
     """The reference reader: every line parsed by `parse_line`."""
     label = Path(unit.path).name
@@ -401,7 +464,7 @@ class _Block:
     def __init__(self, data: bytes, first: int, unit: Unit, options: IngestOptions, label: str, limit: int):
         self.data, self.first, self.unit, self.options, self.label, self.limit = data, first, unit, options, label, limit
         a = np.frombuffer(data, np.uint8)
-        ends = np.flatnonzero(a == 10) + 1
+        ends = np.flatnonzero(a == np.uint8(10)) + 1
         if not len(ends) or ends[-1] != len(data):
             ends = np.append(ends, len(data))
         self.starts = np.concatenate(([0], ends[:-1])).astype(np.int64)
@@ -431,12 +494,19 @@ class _Block:
         # as `json.loads` would; blank lines, a BOM, leading spaces and
         # anything else are left to Python.
         python = a[self.starts] != ord("{")
-        # A line with many brackets may nest deeper than Python can serialise its meta:
-        # `parse_line` judges it (Arrow would parse it).
-        opening = np.flatnonzero((a == ord("[")) | (a == ord("{")))
-        if len(opening) > MAX_JSON_DEPTH:
-            per_line = np.bincount(np.searchsorted(self.ends, opening, side="right"), minlength=self.n)
-            python |= per_line[:self.n] > MAX_JSON_DEPTH
+        # A line nested deeper than MAX_JSON_DEPTH is `parse_line`'s to quarantine (Arrow's
+        # parser would crash on it). Counting brackets is a cheap upper bound; a line over
+        # it (code in a text field easily is) gets its real depth, outside strings.
+        # Only a line longer than the limit can hold that many brackets; `bytes.count` on
+        # each of those allocates nothing, unlike a mask and its positions.
+        long = np.flatnonzero(self.ends - self.starts > MAX_JSON_DEPTH)
+        if len(long):
+            data = self.data
+            many = long[np.array([data.count(b"[", s, e) + data.count(b"{", s, e) > MAX_JSON_DEPTH
+                                  for s, e in zip(self.starts[long].tolist(), self.ends[long].tolist())], bool)]
+            if len(many):
+                deep = nesting_depths(a, self.starts[many], self.ends[many]) > MAX_JSON_DEPTH
+                python[many[deep]] = True
         # Raw NUL and DEL bytes make a line binary to `decode`; Arrow would
         # accept DEL inside a string.
         for byte in (b"\x00", b"\x7f"):
@@ -446,7 +516,7 @@ class _Block:
         if not _is_utf8(self.data):  # Arrow does not check; `decode` may still read a legacy encoding
             # Only a line with a byte >= 0x80 can be invalid (JSON writers often escape everything else).
             suspect = np.zeros(self.n, bool)
-            suspect[np.searchsorted(self.ends, np.flatnonzero(a >= 0x80), side="right")] = True
+            suspect[np.searchsorted(self.ends, np.flatnonzero(a >= np.uint8(0x80)), side="right")] = True
             for i in np.flatnonzero(suspect & ~python & ~too_long):
                 try:
                     self.line(i).decode("utf-8")

@@ -6,7 +6,8 @@ train`: the reference recipe or a labelled file, optionally fine-tuning the
 encoder), `calibration` (Platt scaling of the head on the pool's dev part),
 `scorer` (documents → `quality` in [0, 1], for the static stage), `pool`
 (the demo's labelled pool: labels by provenance, the negatives/dev/measured
-split, tier 1's measurement), `fresh` and `fresh2` (two more labelled sets
-of other files of the machine, for reporting only; fresh2's labels are a
-committed manifest written before its first score).
+split, tier 1's measurement), `fresh`, `fresh2` and `fresh3` (three more
+labelled sets of other files of the machine, for reporting only; fresh2's
+and fresh3's labels are committed manifests written before their first
+score).
 """

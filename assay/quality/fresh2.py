@@ -334,6 +334,12 @@ def iter_fresh2(per_kind: int = PER_KIND, seed: int = SEED) -> Iterator[Fresh2Do
 def write_manifest(path: str | Path = MANIFEST, per_kind: int = PER_KIND, seed: int = SEED) -> list[Fresh2Doc]:
     """Write the manifest (locator, kind, label, rule, chars, blake2b of the text); returns the documents."""
     docs = list(iter_fresh2(per_kind, seed))
+    write_labels(path, docs, RULES)
+    return docs
+
+
+def write_labels(path: str | Path, docs: list[Fresh2Doc], rules: dict[str, str]) -> None:
+    """One row per document: its locator, kind, label, the labelling rule of its kind, size and digest."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as handle:
@@ -341,9 +347,8 @@ def write_manifest(path: str | Path = MANIFEST, per_kind: int = PER_KIND, seed: 
         out.writerow(["locator", "kind", "label", "rule", "chars", "blake2b"])
         for d in docs:
             name = {GOOD: "good", JUNK: "junk", UNLABELLED: "unlabelled"}[d.label]
-            rule = RULES[d.kind] if d.label != UNLABELLED else "unlabelled: good kind under 1000 chars"
+            rule = rules[d.kind] if d.label != UNLABELLED else "unlabelled: good kind under 1000 chars"
             out.writerow([d.locator, d.kind, name, rule, len(d.text), _digest(d.text).hex()])
-    return docs
 
 
 def read_manifest(path: str | Path = MANIFEST) -> list[dict[str, str]]:
@@ -354,7 +359,11 @@ def read_manifest(path: str | Path = MANIFEST) -> list[dict[str, str]]:
 def read_fresh2(path: str | Path = MANIFEST) -> tuple[dict[str, list], np.ndarray, dict[str, int]]:
     """The manifest's documents as `measure_tier1`'s columns, their labels from the manifest, and how many
     rows could not be read back identically on this machine (by kind)."""
-    rows = read_manifest(path)
+    return read_documents(read_manifest(path), KINDS)
+
+
+def read_documents(rows: list[dict[str, str]], kinds: dict) -> tuple[dict[str, list], np.ndarray, dict[str, int]]:
+    """A manifest's rows read back through `kinds`' readers (see `read_fresh2`); fresh set 3 uses it too."""
     texts: dict[str, str] = {}
     by_kind: dict[str, list[dict[str, str]]] = {}
     for row in rows:
@@ -362,7 +371,7 @@ def read_fresh2(path: str | Path = MANIFEST) -> tuple[dict[str, list], np.ndarra
     missing: dict[str, int] = {}
     for kind, kind_rows in by_kind.items():
         wanted = {r["locator"] for r in kind_rows}
-        for locator, read in KINDS[kind]():
+        for locator, read in kinds[kind]():
             if locator in wanted:
                 text = read()
                 if text is not None:

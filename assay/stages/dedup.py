@@ -384,15 +384,10 @@ def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
                 [("semantic_similarity", float(verdicts.similarity[r]))] if not np.isnan(verdicts.similarity[r]) else None
                 for r in part
             ]
-            writer.decisions.write(pa.RecordBatch.from_arrays(
+            writer.write_decisions(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep), pa.array(reasons, pa.string()),
                  pa.array(scores, DECISION_SCHEMA.field("scores").type), pa.array(details, pa.string())],
                 schema=DECISION_SCHEMA))
-            writer.counts["input"] += n
-            writer.counts["kept"] += int(keep.sum())
-            for r in reasons:
-                if r:
-                    writer.counts[f"drop:{r}"] += 1
     except BaseException:
         writer.abort()
         raise

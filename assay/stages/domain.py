@@ -184,22 +184,20 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     writer = UnitWriter(out_dir, key, with_score_column(parquet.schema_arrow, PERPLEXITY), target_bytes=params.io.shard_bytes)
     try:
-        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):
             batch, keep, reason, scores, flags = judge_batch(batch, params.domain, models, band)
             n = batch.num_rows
             ppl = scores.get(PERPLEXITY, np.full(n, np.nan))
             out = batch if PERPLEXITY in batch.schema.names else batch.append_column(
                 PERPLEXITY, pa.array(ppl, pa.float64(), from_pandas=True))
             writer.docs.write(out.filter(pa.array(keep)))
-            writer.decisions.write(pa.RecordBatch.from_arrays(
+            writer.write_decisions(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
                  pa.array(reason, pa.string()), scores_column(scores, n), pa.nulls(n, pa.string())],
                 schema=DECISION_SCHEMA))
             code = np.asarray(pc.fill_null(pc.equal(batch.column("kind"), KIND_CODE), False), dtype=bool)
             kept_code = keep[code]
             clean = np.logical_and.reduce([flags[p] for p in CLEAN_PARTS]) if code.any() else np.zeros(0, bool)
-            writer.counts["input"] += n
-            writer.counts["kept"] += int(keep.sum())
             writer.counts["code_in"] += int(code.sum())
             writer.counts["code_kept"] += int(kept_code.sum())
             writer.counts["never_parsed"] += int((~flags["parse_checked"]).sum()) if code.any() else 0
@@ -209,9 +207,6 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
                 writer.counts[f"part_in:{part}"] += int(flags[part].sum())
                 writer.counts[f"part_kept:{part}"] += int((flags[part] & kept_code).sum())
             writer.counts["lang_corrected"] += int(np.nansum(scores.get("domain:lang_corrected", np.zeros(1))))
-            for r in reason:
-                if r is not None:
-                    writer.counts[f"drop:{r}"] += 1
     except BaseException:
         writer.abort()
         raise

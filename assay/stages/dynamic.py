@@ -127,14 +127,10 @@ def dynamic_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
             alignment = pc.if_else(pa.array(found), table[ALIGNMENT].take(rows), pa.nulls(n, pa.float64()))
             out = batch if ALIGNMENT in batch.schema.names else batch.append_column(ALIGNMENT, alignment)
             writer.docs.write(out.filter(pa.array(kept)))
-            writer.decisions.write(pa.RecordBatch.from_arrays(
+            writer.write_decisions(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(kept), reason, scores, detail],
                 schema=DECISION_SCHEMA))
-            writer.counts["input"] += n
-            writer.counts["kept"] += int(kept.sum())
             writer.counts["not_scored"] += int((~found).sum())
-            for r in reason.drop_null().to_pylist():
-                writer.counts[f"drop:{r}"] += 1
             if progress:
                 progress(n)
     except BaseException:

@@ -112,7 +112,7 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes,
                         extra={EMBEDDINGS: embedding_schema(models.encoder.dim)})
     try:
-        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):
             keep, reason, scores, embedded, vectors = judge_batch(batch, static, models)
             n = batch.num_rows
             out = batch if QUALITY in batch.schema.names else batch.append_column(QUALITY, pa.array(scores[QUALITY], pa.float64(), from_pandas=True))
@@ -121,16 +121,11 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
                 [batch.column("id").take(pa.array(embedded, pa.int64())),
                  pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), models.encoder.dim)],
                 schema=embedding_schema(models.encoder.dim)))
-            writer.decisions.write(pa.RecordBatch.from_arrays(
+            writer.write_decisions(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep),
                  pa.array(reason, pa.string()), scores_column(scores, n), pa.nulls(n, pa.string())],
                 schema=DECISION_SCHEMA))
-            writer.counts["input"] += n
-            writer.counts["kept"] += int(keep.sum())
             writer.counts["embedded"] += len(embedded)
-            for r in reason:
-                if r is not None:
-                    writer.counts[f"drop:{r}"] += 1
             if progress:
                 progress(n)
     except BaseException:

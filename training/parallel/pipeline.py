@@ -20,6 +20,13 @@ sums and token counts are added up on the last stage. Stages are given their inp
 output shapes (static metadata), so torch runs no shape-inference forward: that would
 add phantom tokens to MoE routing counts.
 
+DP × PP (torchtitan's): the mesh orders pp outermost, so each pp group is one dp coordinate;
+every block and then each stage's module is wrapped over the dp sub-mesh (FSDP2 over dp_shard,
+FSDP-style ``replicate`` over dp_replicate), each dp rank pipelines its own documents' rows, and
+each micro-batch's loss is dp × its token-loss sum over the whole step's token count (the
+wrappers average over dp). All six schedules; static micro-batches and dense models only, and
+not HSDP × PP (``check_pipeline_layout`` says why).
+
 Micro-batches: each pass of a plan (training.parallel.microbatch) is one ``schedule.step``
 of equal-shape micro-batches; a stage set (recv buffers of one size) is built per pass
 shape and cached. Every stage times its forward and backward per micro-batch and counts
@@ -28,6 +35,7 @@ the bytes autograd saved for backward; the dynamic scheduler plans the next step
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -124,7 +132,9 @@ def _prune(model: nn.Module, keep: list[int], first: bool, last: bool) -> None:
 def _shell(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
     """A module that runs ``model``'s forward over one stage's part, sharing its modules."""
     shell = object.__new__(type(model))
-    shell.__dict__ = dict(model.__dict__)
+    # Its own hook dicts and composable-API state: data parallelism wraps each shell apart
+    # (its FSDP hooks must not fire on the model or on this rank's other stage).
+    shell.__dict__ = {k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in model.__dict__.items()}
     shell._modules = dict(model._modules)
     shell._parameters = dict(model._parameters)
     shell._buffers = dict(model._buffers)
@@ -274,6 +284,41 @@ class Pipeline:
         self._dtypes: dict[bool, tuple[torch.dtype, torch.dtype]] = {}
         self.last: StepStats | None = None
         self._acc: dict[str, torch.Tensor] = {}
+        # DP × PP (apply_data_parallel): dp ranks whose gradients the wrappers average, and the
+        # group over which a stage's parameters are sharded (their squared norms add over it).
+        self.dp, self.shard_group = 1, None
+
+    def apply_data_parallel(self, mesh, dims, precision: str) -> None:
+        """torchtitan's DP × PP: every block and then each stage's module wrapped over the dp
+        sub-mesh of this rank's pp group (FSDP2 over dp_shard, HSDP with dp_replicate too,
+        FSDP-style ``replicate`` over dp_replicate alone). Each stage module is its own root:
+        torch's PipelineStage then skips the gradient reduction on all but the step's last
+        backward and reduces once, after the schedule's last micro-batch."""
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import fully_shard
+
+        from training.parallel.data_parallel import mixed_precision_policy
+
+        policy = mixed_precision_policy(precision)
+        if dims.fsdp:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.ddp else mesh["dp_shard"]
+            self.shard_group = mesh["dp_shard"].get_group()
+            # Parameters stay gathered from a micro-batch's forward to the step's last backward
+            # (torchtitan's choice under pp: one all-gather per step, not per micro-batch). The
+            # zero-bubble schedules need it: their weight pass takes the stage's parameters, and a
+            # resharded stage hands it the shards, not the gathered tensors the graph used (losses
+            # then differed from one process by 0.06-0.5%).
+            wrap = lambda m: fully_shard(m, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)  # noqa: E731
+        else:
+            wrap = lambda m: replicate(m, mesh=mesh["dp_replicate"], mp_policy=policy)  # noqa: E731
+        for block in self.model.layers.values():
+            wrap(block)
+        for s in sorted(self.modules):
+            wrap(self.modules[s])
+        self.dp = dims.dp
+        # The shards this rank keeps; gathered parameters are new each step and count as saved bytes.
+        self.own = {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+                    for t in [*self.model.parameters(), *self.model.buffers()]}
 
     @classmethod
     def build(cls, model: nn.Module, mesh, params, device: torch.device) -> Pipeline:
@@ -369,17 +414,21 @@ class Pipeline:
             return self.scheduler.plan(lengths, baseline=static) or static
         return static
 
-    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
-        """Forward and backward of the whole batch over the pipeline; returns (batch mean loss on
-        every rank, per-document losses, None, per-document tokens); the last two are this
-        step's on the last stage's rank only (zeros elsewhere)."""
+    def step(self, batch: Batch, global_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, None,
+                                                                             torch.Tensor]:
+        """Forward and backward of ``batch`` over the pipeline; returns (its token-loss sum over
+        ``global_tokens``, the step's target tokens over all dp ranks (default: ``batch``'s), on
+        every rank of the pp group; per-document losses, None, per-document tokens); the last two
+        are this step's on the last stage's rank only (zeros elsewhere)."""
         if batch.tokens.shape[1] != self.seq_len:
             raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != seq_len {self.seq_len}")
         n_docs = len(batch.doc_ids)
-        global_tokens = max(int(batch.loss_mask.sum()), 1)
+        global_tokens = max(int(batch.loss_mask.sum()) if global_tokens is None else global_tokens, 1)
+        # The dp wrappers average gradients over the dp ranks: each micro-batch's loss is dp times
+        # its share (exact when dp is a power of two).
         self._acc = {"doc_sum": torch.zeros(n_docs, device=self.device),
                      "doc_tokens": torch.zeros(n_docs, dtype=torch.long, device=self.device),
-                     "global_tokens": float(global_tokens), "loss_s": 0.0}
+                     "global_tokens": float(global_tokens) / self.dp, "loss_s": 0.0}
         plan = self.plan_for(batch)
         samples, walls, losses_all = [], [], []
         busy, padded = 0.0, 0
@@ -413,7 +462,8 @@ class Pipeline:
                     bwd = s.backward_s.get(chunk, 0.0)
                     samples.append(Sample(s.stage_index, p.rows, p.width, fwd + extra, bwd, s.saved.get(chunk, 0.0)))
                     busy += fwd + extra + bwd
-        loss = torch.stack(losses_all).sum().detach().float() if self.has_last else torch.zeros((), device=self.device)
+        loss = (torch.stack(losses_all).sum().detach().float() / self.dp if self.has_last
+                else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
         gathered: list = [None] * self.pp
         dist.all_gather_object(gathered, (samples, walls, busy, self.live.peak), group=self.group)
@@ -428,12 +478,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the rest
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Stages hold disjoint parameters: the global norm is the root of their squares' sum."""
+        """Stages hold disjoint parameters: the global norm is the root of their squares' sum
+        (with FSDP, of their shards' too; replicas count once)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64)
         for g in grads:
+            g = g.to_local() if hasattr(g, "to_local") else g
             squares += g.detach().double().pow(2).sum().cpu()
         dist.all_reduce(squares, group=self.group)
+        if self.shard_group is not None:
+            dist.all_reduce(squares, group=self.shard_group)
         total = squares.sqrt().to(torch.float32)
         torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
                                              max_norm, total.to(self.device))
@@ -443,6 +497,25 @@ class Pipeline:
         count = torch.tensor([sum(p.numel() for p in self.model.parameters())], dtype=torch.long)
         dist.all_reduce(count, group=self.group)
         return int(count)
+
+    def _forward_only(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """The whole batch through the stages in order, activations sent point to point between
+        ranks (every rank walks the stages in the same order); the logits on the last stage's rank."""
+        hidden, _ = self._activation_dtypes()
+        x = None
+        for s in range(self.n_stages):
+            if self.stage_rank[s] != self.rank:
+                continue
+            if s == 0:
+                x = self.modules[0](tokens)
+            else:
+                if self.stage_rank[s - 1] != self.rank:
+                    x = torch.empty(*tokens.shape, self.dim, dtype=hidden, device=self.device)
+                    dist.recv(x, src=dist.get_global_rank(self.group, self.stage_rank[s - 1]), group=self.group)
+                x = self.modules[s](x)
+            if s + 1 < self.n_stages and self.stage_rank[s + 1] != self.rank:
+                dist.send(x.contiguous(), dst=dist.get_global_rank(self.group, self.stage_rank[s + 1]), group=self.group)
+        return x if self.has_last else None
 
     @torch.no_grad()
     def evaluate(self, rows, params, device: torch.device) -> dict:
@@ -469,10 +542,15 @@ class Pipeline:
                          "doc_tokens": torch.zeros(len(batch.doc_ids), dtype=torch.long, device=device),
                          "global_tokens": 1.0, "loss_s": 0.0}
             with precision_context(params.precision, device):
-                stages, schedule = self._stages(*p.shape)
-                self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
-                out = schedule.eval(*((batch.tokens[take].to(device),) if 0 in self.local else ()),
-                                    target=packed if self.has_last else None)
+                if _schedule(self.schedule_name)[2] == "v":
+                    # torch 2.13's V schedules run their backward actions in eval too ("can't
+                    # steal_bwd_input if this stage doesn't have backward"): a plain forward instead.
+                    out = self._forward_only(batch.tokens[take].to(device))
+                else:
+                    stages, schedule = self._stages(*p.shape)
+                    self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
+                    out = schedule.eval(*((batch.tokens[take].to(device),) if 0 in self.local else ()),
+                                        target=packed if self.has_last else None)
             if self.has_last:
                 totals += torch.tensor([float(token_losses(out, targets, mask).sum()),
                                         float(((out.argmax(-1) == targets) & mask).sum()), float(mask.sum())],
@@ -487,11 +565,23 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 def check_pipeline_layout(dims, params) -> None:
     """What pp runs with today, refused clearly otherwise (before any process builds a stage)."""
-    others = {n: getattr(dims, n) for n in ("dp_replicate", "dp_shard", "tp", "cp", "ep") if getattr(dims, n) > 1}
+    others = {n: getattr(dims, n) for n in ("tp", "cp", "ep") if getattr(dims, n) > 1}
     if others:
-        raise AssayError(f"parallel: pp combines with no other dimension yet (got {others}); "
-                         "run pp alone: --nproc N --pp N")
+        raise AssayError(f"parallel: pp combines with data parallel only (dp_shard, dp_replicate), not yet with "
+                         f"tp, cp or ep (got {others})")
     p = params.parallel
+    if dims.dp > 1 and dims.ddp and dims.fsdp:
+        raise AssayError("parallel: pp with both dp_replicate and dp_shard (HSDP × PP) is not verified (it needs 8 "
+                         "ranks); use one of them with pp")
+    if dims.dp > 1 and p.pp_dynamic:
+        # Each dp rank plans its own rows: the plans (passes, micro-batch counts) would differ, and
+        # so would the number of FSDP collectives per stage.
+        raise AssayError("parallel: pp_dynamic runs with pp alone; with dp_shard/dp_replicate > 1 use the static "
+                         "micro-batches (--pp-static)")
+    if dims.dp > 1 and (params.model.attention != "dense" or params.model.ffn != "dense"):
+        raise AssayError("parallel: pp with data parallel needs dense attention and a dense FFN: each dp rank's "
+                         "rows are padded with filler rows to whole micro-batches, which sparse attention's block "
+                         "summaries and MoE routing counts would see")
     _schedule(p.pp_schedule)
     n_stages = dims.pp * SCHEDULES[p.pp_schedule][1]
     split_layers(params.model.n_layers, n_stages)

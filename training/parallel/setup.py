@@ -107,8 +107,9 @@ class Parallel:
     def mode(self) -> str:
         if not self.on:
             return "single"
-        if self.pipelined:
-            return "pp"
+        if self.pipelined:  # "pp", "fsdp+pp", "hsdp+pp", "ddp+pp"
+            dp = ("hsdp" if self.dims.ddp else "fsdp") if self.dims.fsdp else ("ddp" if self.dims.ddp else "")
+            return f"{dp}+pp" if dp else "pp"
         if self.dims.tp > 1:  # "tp", "fsdp+tp", "hsdp+tp"
             return "+".join(["hsdp" if self.dims.ddp else "fsdp"] * self.dims.fsdp + ["tp"])
         if self.dims.cp > 1:  # "cp", "ddp+cp", "fsdp+cp", "hsdp+cp"
@@ -146,6 +147,10 @@ class Parallel:
             # It applies data parallelism too, over dp × cp: its cp ranks' gradients reduce with dp's.
             self.context = apply_context_parallel(model, self.mesh, self.dims, self.precision, model.args.max_seq_len)
             return model
+        if self.pipelined:  # DP × PP: each stage's module wrapped over its dp sub-mesh, not the pruned model
+            if self.dims.dp > 1:
+                self.pipeline.apply_data_parallel(self.mesh, self.dims, self.precision)
+            return model
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
 
     def optimizer(self, groups: list[dict], lr: float, defaults: dict) -> torch.optim.Optimizer:
@@ -157,7 +162,7 @@ class Parallel:
     def local_batch(self, whole: Batch) -> LocalBatch:
         if not self.on:
             return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
-        if self.pipelined:  # every stage runs every row (pp combines with no dp yet)
+        if self.pipelined and self.dims.dp == 1:  # every stage runs every row
             return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
         if self.dims.cp > 1:  # this dp rank's documents, of each row this rank's positions
             return self.context.local_batch(whole)
@@ -169,6 +174,10 @@ class Parallel:
     def global_loss(self, local_mean: torch.Tensor, local_tokens: int, global_tokens: int) -> torch.Tensor:
         """The single-process batch loss: token-loss sums added over ranks, over all tokens."""
         if not self.on or self.pipelined:  # pp: the last stage's sum, broadcast already
+            if self.on and self.dims.dp > 1:  # DP × PP: the pp groups' sums add over dp
+                total = local_mean.detach().float().clone()
+                dist.all_reduce(total, group=self.dims.dp_mesh(self.mesh).get_group())
+                return total
             return local_mean
         if self.dims.tp > 1:  # the tp ranks of a dp group hold the same rows: add over dp only
             total = local_mean.detach().float() * local_tokens

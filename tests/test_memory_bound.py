@@ -1,0 +1,116 @@
+"""Bounded memory, measured: a generated corpus through `assay ingest`, `run static` and `run domain`.
+
+Each stage runs in a fresh process through the CLI (bench/memory_bound.py) and
+reports its kernel high-water mark (VmHWM). The corpus is run once and five times over;
+the stages stream it shard by shard and batch by batch, so the peak at five times
+the corpus must not grow by anything like the added bytes. The windows are
+made small here (2 MiB output shards, 1 MiB batches) so that a corpus many
+windows long stays quick; the full-size run is `bench/memory_bound.py stream`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from corpus import tiny_pipeline_params
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+MIB = 2**20
+CORPUS = 10_000_000  # bytes of text, with documents up to 5 MB; the second run is it five times (other ids)
+#: The stated bound for this test's run (small windows, tiny domain model, the MiniLM encoder).
+PEAK_BOUND = 1_500 * MIB
+
+
+def test_batches_over_batch_bytes_are_cut_into_slices_of_at_most_that_many_bytes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from assay.shards import shard_batches
+
+    sizes = [10, 700, 5_000, 30, 30, 30, 2_000, 1, 999, 1_000]
+    texts = ["x" * k for k in sizes]
+    pq.write_table(pa.table({"id": [f"{i}" for i in range(len(sizes))], "text": texts}), tmp_path / "s.parquet")
+    parquet = pq.ParquetFile(tmp_path / "s.parquet")
+    batches = list(shard_batches(parquet, "s", batch_size=1024, max_bytes=1_001))
+    assert [t for b in batches for t in b.column("text").to_pylist()] == texts  # every row once, in order
+    for b in batches:
+        strings = sum(len(t) + len(i) for t, i in zip(b.column("text").to_pylist(), b.column("id").to_pylist()))
+        assert strings <= 1_001 or b.num_rows == 1
+    assert [b.num_rows for b in batches] == [2, 1, 3, 1, 1, 1, 1]  # greedy: 712, 5001, 93, 2001, 2, 1000, 1001
+    assert [b.num_rows for b in shard_batches(parquet, "s", batch_size=1024)] == [len(sizes)]
+
+
+def test_row_groups_close_at_row_group_bytes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from assay.shards import ROW_GROUP_BYTES, ShardWriter
+
+    schema = pa.schema([("text", pa.large_string())])
+    with ShardWriter(tmp_path, schema, target_bytes=1 << 40) as writer:
+        for _ in range(10):  # 10 rows of ROW_GROUP_BYTES / 4: far under ROW_GROUP_ROWS
+            writer.write(pa.record_batch([pa.array(["x" * (ROW_GROUP_BYTES // 4)], pa.large_string())], schema=schema))
+    meta = pq.ParquetFile(tmp_path / writer.shards[0].name).metadata
+    assert meta.num_rows == 10 and meta.num_row_groups == 3  # 4 + 4 + 2 rows, not one group of the whole shard
+
+
+@pytest.mark.slow
+def test_stage_peaks_are_bounded_and_do_not_grow_with_the_corpus(tmp_path, prefect_harness):
+    from prefect.settings import PREFECT_API_URL
+
+    from memory_bound import stage_env, stream, train_models
+
+    env = stage_env(PREFECT_API_URL.value())
+    tiny = tiny_pipeline_params(ROOT / "params.yaml")
+    # Windows several times smaller than the corpus; documents still reach 5 MB, so some batches are one row.
+    tiny["io"].update(shard_bytes=2 * MIB, batch_bytes=1 * MIB, batch_rows=64)
+    # One task at a time: with two, which windows meet depends on how many there are, and the peak with it.
+    tiny["flow"].update(max_workers=1)
+    base = tmp_path / "params-tiny.yaml"
+    base.write_text(yaml.safe_dump(tiny, sort_keys=False))
+    (tmp_path / "models").mkdir()
+    models = train_models(tmp_path / "models", env, base, timeout=600)
+
+    # The same documents once and five times (in JSONL files of 2 MB: ingest's units are windows too): every
+    # window of the second run is one the first run saw, so a bounded stage peaks alike, and one that kept
+    # what it had read would hold four corpora more (40 MB: more than the 10-15 MB the figures move by alone).
+    runs = [stream(CORPUS, tmp_path / f"run-{n}", models, env, 600, base=base, copies=n, file_bytes=2 * MIB)
+            for n in (1, 5)]
+    print({n: {s: r["vmhwm"] // MIB for s, r in run["stages"].items()} for n, run in zip((1, 5), runs)})
+    for run in runs:
+        corpus, stages = run["corpus"], run["stages"]
+        assert corpus["huge_docs"] >= 1 and corpus["code_docs"] >= 1
+        assert stages["ingest"]["out"]["docs"] == corpus["docs"]
+        assert stages["static"]["in"]["docs"] == corpus["docs"]
+        assert stages["static"]["out"]["shards"] >= 3  # the windows really are smaller than the corpus
+        assert stages["domain"]["in"]["docs"] == stages["static"]["out"]["docs"]
+        for stage, r in stages.items():
+            assert r["vmhwm"] < PEAK_BOUND, (stage, r["vmhwm"] // MIB)
+    once, five = runs
+    added = five["corpus"]["text_bytes"] - once["corpus"]["text_bytes"]
+    print({n: {s: _settled(r) // MIB for s, r in run["stages"].items()} for n, run in zip((1, 5), runs)})
+    # Ingest is left out of the growth check: its peak grows slowly with the files (267 -> 336 MiB at 5 -> 25 files;
+    # not the malloc arenas), a cause not yet found (RELIABILITY.md); its bound is checked above.
+    for stage in ("static", "domain"):
+        # Holding its input, even as Arrow (its smallest form), a stage would grow by `added` (40 MB) or more.
+        # The peak is set by the largest document's transient work, which can hide what a stage keeps; what is
+        # still resident in the last fifth of the run is not.
+        growth = five["stages"][stage]["vmhwm"] - once["stages"][stage]["vmhwm"]
+        assert growth < added / 2, (stage, growth // MIB, added // MIB)
+        kept = _settled(five["stages"][stage]) - _settled(once["stages"][stage])
+        assert kept < added / 2, (stage, kept // MIB, added // MIB)
+
+
+def _settled(result: dict) -> int:
+    """The median resident size over the last fifth of a stage's run (sampled every 0.5 s)."""
+    import statistics
+
+    samples = result["samples"]
+    end = samples[-1][0]
+    return int(statistics.median(rss for t, rss in samples if t >= 0.8 * end))
