@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
           f"eval set: {read(evaluation).num_rows}", flush=True)
 
     t = time.perf_counter()
-    round0 = train(open_version(corpus), args.out / "round-0", train_params, overwrite=not args.resume, progress=False)
+    round0 = train(open_version(corpus), args.out / "round-0", train_params, overwrite=not args.resume,
+                   resume=args.resume, progress=False)
     timings["round0_s"] = round(time.perf_counter() - t, 1)
     print(f"round 0: {timings['round0_s']} s, skipped steps {round0.metrics['skipped_steps']}", flush=True)
 
