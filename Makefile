@@ -87,6 +87,8 @@ bench-verdicts: install
 	$(PYTHON) bench/tier1_pool.py
 	$(PYTHON) bench/labelled_code.py --model models/domain --calibrate --legacy
 	$(PYTHON) bench/dedup_memory.py
+	$(PYTHON) bench/memory_bound.py stream --gb 0.5 --models models
+	$(PYTHON) bench/memory_bound.py dedup --docs 100000,200000 --words 20-80,200-320 --models models
 	$(PYTHON) bench/planted.py --out $$(mktemp -d)
 
 clean:

@@ -728,8 +728,9 @@ class ScoringParams:
     #: How the reference documents' gradients are averaged: "tokens" (the gradient of their mean
     #: token loss, so long documents weigh more), "documents" (the mean of each document's own
     #: gradient) or "unit" (the mean of those gradients scaled to unit length: each document one
-    #: vote on the direction).
-    reference_aggregate: str = "unit"
+    #: vote on the direction). "tokens" by default: unit gradients won on one planted bench and
+    #: lost on three (BENCHMARKS.md, tier 2).
+    reference_aggregate: str = "tokens"
 
     def __post_init__(self) -> None:
         if self.precondition not in ("none", "adam"):

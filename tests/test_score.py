@@ -282,14 +282,14 @@ def _autograd_gradients(tiny, table, n_docs: int = 6):
     return ck, model, refs, docs
 
 
-@pytest.mark.parametrize("aggregate", ["unit", "tokens", "documents"])
+@pytest.mark.parametrize("aggregate", ["tokens", "unit", "documents"])
 def test_scores_equal_autograd_of_each_documents_own_rows(tiny, scored, aggregate, tmp_path):
     """End to end: the reference gradient (each score.reference_aggregate) and each document's
     gradient recomputed by plain autograd from the run's checkpoint, rows built as training builds them."""
     from training.score import read_scores, score_dataset
 
-    assert ScoringParams().reference_aggregate == "unit" and score_params().reference_aggregate == "unit"
-    if aggregate == "unit":
+    assert ScoringParams().reference_aggregate == "tokens" and score_params().reference_aggregate == "tokens"
+    if aggregate == "tokens":
         table = scored["table"]
     else:
         out = tmp_path / "scores"
@@ -345,7 +345,7 @@ def test_adam_preconditioned_alignment_is_the_cosine_with_p_g(tiny, scored, tmp_
     raw = {r["sample_id"]: r["alignment"] for r in scored["table"].to_pylist()}
     moved = 0
     for row, loss, _, g in docs:
-        pg = scale * refs["unit"][row["stratum"]]
+        pg = scale * refs["tokens"][row["stratum"]]
         assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["alignment"] == pytest.approx(float(g @ pg / (g.norm() * pg.norm())), abs=1e-4)
         moved += abs(row["alignment"] - raw[row["sample_id"]]) > 1e-3
