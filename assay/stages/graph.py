@@ -8,6 +8,7 @@ uuid5 ids, so a later run updates the graph in place.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +42,26 @@ def upsert_graph(out: str, corpus, verdicts, vectors: np.ndarray | None, params:
     for cluster_id, (_, rows) in groups.items():
         for row in rows:
             clusters_of_row[row].append(cluster_id)
-    records = []
-    for row, doc_id in enumerate(corpus.ids):
-        quality = corpus.quality[row]
-        records.append(DocumentRecord(
-            doc_id=str(doc_id),
-            vector=vectors[row] if vectors is not None and vectors.shape[1] else None,
-            kind=corpus.kinds[row], lang=corpus.langs[row], source=corpus.sources[row], path=corpus.paths[row],
-            quality=None if np.isnan(quality) else float(quality),
-            status=verdicts.reason[row] or KEPT,
-            clusters=sorted(clusters_of_row.get(row, [])),
-            duplicate_of=str(corpus.ids[verdicts.duplicate_of[row]]) if verdicts.duplicate_of[row] >= 0 else None,
-        ))
+
+    def records() -> Iterator[DocumentRecord]:
+        # Made as the store consumes them (in chunks): a list of every record cost ~2.3 KB a
+        # document at the stage's peak (bench/memory_bound.py dedup).
+        for row, doc_id in enumerate(corpus.ids):
+            quality = corpus.quality[row]
+            yield DocumentRecord(
+                doc_id=str(doc_id),
+                vector=vectors[row] if vectors is not None and vectors.shape[1] else None,
+                kind=corpus.kinds[row], lang=corpus.langs[row], source=corpus.sources[row], path=corpus.paths[row],
+                quality=None if np.isnan(quality) else float(quality),
+                status=verdicts.reason[row] or KEPT,
+                clusters=sorted(clusters_of_row.get(row, [])),
+                duplicate_of=str(corpus.ids[verdicts.duplicate_of[row]]) if verdicts.duplicate_of[row] >= 0 else None,
+            )
+
     with open_store(params.vectors, Path(out)) as store:
         store.upsert_clusters(ClusterRecord(cluster_id, kind, [str(corpus.ids[r]) for r in rows])
                               for cluster_id, (kind, rows) in groups.items())
-        store.upsert_documents(records)
+        store.upsert_documents(records())
         total = store.count()
         backend = type(store).__name__
-    return {"backend": backend, "documents": len(records), "clusters": len(groups), "store_count": total}
+    return {"backend": backend, "documents": len(corpus.ids), "clusters": len(groups), "store_count": total}
