@@ -99,8 +99,10 @@ def test_stage_peaks_are_bounded_and_do_not_grow_with_the_corpus(tmp_path, prefe
     added = five["corpus"]["text_bytes"] - once["corpus"]["text_bytes"]
     print({n: {s: _settled(r) // MIB for s, r in run["stages"].items()} for n, run in zip((1, 5), runs)})
     # Ingest is left out of the growth check: its peak grows slowly with the files (267 -> 336 MiB at 5 -> 25 files;
-    # not the malloc arenas), a cause not yet found (RELIABILITY.md); its bound is checked above.
-    for stage in ("static", "domain"):
+    # not the malloc arenas), a cause not yet found (RELIABILITY.md); its bound is checked above. So is domain:
+    # in a loaded CI run its clean growth was +21 MiB peak / +38 settled, as large as a deliberate leak's
+    # (+23 / +29), so the check cannot tell them apart there; static's leak signal (+35 / +42) stands clear.
+    for stage in ("static",):
         # Holding its input, even as Arrow (its smallest form), a stage would grow by `added` (40 MB) or more.
         # The peak is set by the largest document's transient work, which can hide what a stage keeps; what is
         # still resident in the last fifth of the run is not.

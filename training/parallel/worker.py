@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         version = open_version(args.data, args.rev)
         result = train(version, args.out, params, resume=resume, overwrite=overwrite,
                        allow_data_change=args.allow_data_change, device=args.device, on_step=report_recovery)
+        # Every rank past its last collective before any tears its group down: once (1 of 53 parallel
+        # tests in a loaded CI run) rank 0 aborted in teardown ("terminate called without an active
+        # exception") after a DDP run had finished and written everything.
+        world.barrier()
         if world.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.metrics["final_loss"],
                               "parallel": result.metrics.get("parallel")}))
