@@ -23,7 +23,8 @@ from training.tokenizer import load_tokenizer
 from training.trainer import _rows, build_model, forward_backward
 
 
-def main(data: str, run: str, params_file: str, overrides: str, out: str) -> None:
+def step_one(data: str, run: str, params_file: str, overrides: str, out: str):
+    """The tiny model and step 1's local batch with the layout `overrides` applied, as the trainer builds them."""
     params = load_params(params_file).train
     params = dataclasses.replace(params, parallel=dataclasses.replace(params.parallel, **json.loads(overrides)))
     world = init_distributed()
@@ -34,18 +35,24 @@ def main(data: str, run: str, params_file: str, overrides: str, out: str) -> Non
     model = build_model(params, tokenizer.get_vocab_size(), torch.device("cpu"))
     par.apply(model, torch.device("cpu"))
     whole = make_batch(rows, batch_rows(len(rows), params.batch_size, 0, params.seed))
-    local = par.local_batch(whole)
+    return params, world, par, model, par.local_batch(whole)
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (a DTensor's shards gathered: a collective over its mesh)."""
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def main(data: str, run: str, params_file: str, overrides: str, out: str) -> None:
+    params, world, par, model, local = step_one(data, run, params_file, overrides, out)
     norms = params.telemetry.grad_norms if local.has_documents else "off"  # as the trainer does
     loss, *_ = forward_backward(model, local.batch, norms, local.loss_scale)
     loss = par.global_loss(loss, local.batch.n_tokens, local.global_tokens)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    grads = full_grads(model)
     if world.is_main:
         torch.save({"loss": float(loss), "grads": grads}, out)
     shutdown()
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
