@@ -249,7 +249,7 @@ class StaticParams:
     source_rules: dict[str, list[str]] = field(default_factory=lambda: {
         pattern: ["gopher_repetition", "gopher_quality", "records"]
         for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*", "fresh2-*",
-                        "fresh3-*")
+                        "fresh3-*", "fresh4-*")
     })
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
@@ -259,7 +259,7 @@ class StaticParams:
     score: ScoreParams = field(default_factory=ScoreParams)
     #: Keep a text document when quality >= threshold (a calibrated probability; chosen
     #: on the demo pool's dev part, see params.yaml).
-    threshold: float = 0.5
+    threshold: float = 0.35
 
     def __post_init__(self) -> None:
         known = ("gopher_repetition", "gopher_quality", "records", "c4", "fineweb_quality")  # filters.heuristics.FILTER_NAMES
@@ -302,12 +302,18 @@ class QualityParams:
     hash_dim: int = 2**18
     #: L2 penalty of the logistic head on the embedding.
     l2: float = 1e-3
-    #: L2 penalty of the logistic head on words (chosen on the demo pool's dev part).
-    words_l2: float = 0.05
+    #: L2 penalty of the logistic head on words (0.05 chosen on the demo pool's dev part for words alone;
+    #: 0.1 with the shape features, chosen on the seen sets with `shape_scale`, tier1e).
+    words_l2: float = 0.1
     #: "platt": calibrate the head's score on the pool's dev part (assay.quality.calibration); None: raw.
     calibration: str | None = "platt"
     #: Words features: count the words of the text with its markup taken out (ours; filters.markup).
     markup: bool = True
+    #: Words features: append the shape features (`assay.quality.features.SHAPE_FEATURES`: the Gopher
+    #: and records statistics, letter share; ours, not GPT-3's) to the word buckets, each times
+    #: `shape_scale` (a larger scale is a weaker L2 penalty on them). Chosen on the seen sets (tier1e).
+    shape: bool = True
+    shape_scale: float = 1.0
     #: --finetune: epochs and learning rate for the whole encoder.
     finetune_epochs: int = 2
     finetune_lr: float = 2e-5
@@ -318,6 +324,8 @@ class QualityParams:
                              f"{FEATURES_WORDS!r} or {FEATURES_EMBEDDING!r}")
         if self.hash_dim < 1:
             raise AssayError(f"params: quality.hash_dim = {self.hash_dim} should be positive")
+        if not self.shape_scale > 0:
+            raise AssayError(f"params: quality.shape_scale = {self.shape_scale} should be positive")
         if self.calibration not in (None, "platt"):
             raise AssayError(f"params: quality.calibration = {self.calibration!r} should be 'platt' or null")
 
@@ -508,6 +516,12 @@ class SemanticDedupParams:
     #: k for k-means: about one cluster per this many documents (at least 1).
     docs_per_cluster: int = 100
     kmeans_iterations: int = 20
+    #: Above this k, k-means runs in two levels (sqrt(k) coarse clusters, each split to its share of k):
+    #: n * sqrt(k) work per iteration instead of n * k (filters.semantic_dedup.cluster).
+    max_flat_clusters: int = 1024
+    #: Two-level k-means only: independent partitions (seeds seed, seed+1, ...), each judging what the
+    #: earlier kept, so that a near-copy pair split by one partition's coarse boundary is caught by another.
+    partitions: int = 2
     #: Which member of a duplicate group to keep: "farthest" from the centroid, or "quality".
     keep: str = "farthest"
     seed: int = 0

@@ -52,6 +52,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "dedup.minhash.threshold": SHARE,
     "dedup.semantic.eps": SHARE,
     "dedup.semantic.docs_per_cluster": AT_LEAST_1,
+    "dedup.semantic.max_flat_clusters": AT_LEAST_1,
+    "dedup.semantic.partitions": AT_LEAST_1,
     "vectors.batch_size": AT_LEAST_1,
     "train.model.dim": AT_LEAST_1,
     "train.model.n_layers": AT_LEAST_1,

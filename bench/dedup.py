@@ -3,6 +3,7 @@ and semantic dedup's k-means (--kmeans).
 
     .venv/bin/python bench/dedup.py [--docs 3000] [--doc-files 1500] [--planted 300] [--skip-datatrove]
     .venv/bin/python bench/dedup.py --kmeans 20000,50000
+    .venv/bin/python bench/dedup.py --kmeans-scale 100000,200000,400000,1000000 [--flat-max 400000]
 
 rensa is optional (`pip install rensa==0.5.0`, no dependencies); without it its rows say "not installed".
 
@@ -52,6 +53,12 @@ swapped for each candidate (our former NumPy k-means++, faiss with random,
 k-means++ or AFK-MC2 seeding), on synthetic 384-d unit vectors in topics
 with 2% planted near-copies; plus the purity of each on well-separated
 topics. Memory of the LSH stage: bench/dedup_memory.py.
+
+--kmeans-scale: the whole SemDeDup step (`semantic_duplicates`, defaults)
+as the corpus grows, flat k-means (k = n / docs_per_cluster, so n * k work:
+quadratic) against two-level k-means (sqrt(k) coarse clusters, each split
+to its share: n * sqrt(k)) with one partition and with the default two. The
+same synthetic vectors as --kmeans; flat runs only up to --flat-max.
 """
 
 from __future__ import annotations
@@ -546,6 +553,48 @@ def kmeans_main(sizes: list[int]) -> None:
                   f"{recall:.3f} | {other} | {same_pairs:.3f} | {same:.3f} |")
 
 
+def kmeans_scale_main(sizes: list[int], flat_max: int) -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from assay.config import SemanticDedupParams
+    from filters.semantic_dedup import semantic_duplicates
+
+    default = SemanticDedupParams()
+    variants = [("flat k-means (before)", dataclasses.replace(default, max_flat_clusters=2**62)),
+                ("two-level, 1 partition", dataclasses.replace(default, partitions=1)),
+                (f"two-level, {default.partitions} partitions (now)", default)]
+    print(f"SemDeDup as the corpus grows: docs_per_cluster {default.docs_per_cluster}, {default.kmeans_iterations} "
+          f"iterations, eps {default.eps}, max_flat_clusters {default.max_flat_clusters}; synthetic 384-d unit "
+          f"vectors in topics of ~50 plus 2% planted near-copies (cosine ~0.998); one thread.\n")
+    # "same drops": of the documents either dropped, the share both dropped (which copy of a pair goes
+    # depends on the centroids, so it is low when the pairs found are the same).
+    print("| documents | k | SemDeDup | CPU s | wall s | planted pairs dropped | other drops | same drops as flat |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        x, src, _ = clustered_embeddings(n)
+        copies = np.arange(n, len(x))
+        planted = np.zeros(len(x), bool)
+        planted[src] = planted[copies] = True
+        flat_dropped = None
+        for name, params in variants:
+            if params.max_flat_clusters > default.max_flat_clusters and n > flat_max:
+                continue
+            wall, cpu = time.perf_counter(), time.process_time()
+            res = semantic_duplicates(x, params)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            dropped = ~res.keep
+            if flat_dropped is None and params.max_flat_clusters > default.max_flat_clusters:
+                flat_dropped = dropped
+            same = "-" if flat_dropped is None else f"{(dropped & flat_dropped).sum() / max(1, (dropped | flat_dropped).sum()):.4f}"
+            k = len(x) // default.docs_per_cluster
+            if k <= default.max_flat_clusters and params is not variants[0][1]:
+                name += f" (flat here: k <= {default.max_flat_clusters})"
+            print(f"| {len(x):,} | {k:,} | {name} | {cpu:.2f} | {wall:.2f} | "
+                  f"{(dropped[src] | dropped[copies]).mean():.4f} | {int((dropped & ~planted).sum())} | {same} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=3000, help=".py files")
@@ -557,7 +606,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-rensa", action="store_true")
     parser.add_argument("--kmeans", default=None, metavar="N,N",
                         help="instead: semantic dedup's k-means side by side on N synthetic embeddings (e.g. 20000,100000)")
+    parser.add_argument("--kmeans-scale", default=None, metavar="N,N",
+                        help="instead: the SemDeDup step as the corpus grows, flat against two-level k-means")
+    parser.add_argument("--flat-max", type=int, default=400_000,
+                        help="with --kmeans-scale: run flat k-means only up to this many documents")
     args = parser.parse_args(argv)
+    if args.kmeans_scale:
+        kmeans_scale_main([int(v) for v in args.kmeans_scale.split(",")], args.flat_max)
+        return
     if args.kmeans:
         kmeans_main([int(v) for v in args.kmeans.split(",")])
         return

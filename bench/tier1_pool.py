@@ -1,15 +1,19 @@
 """Tier 1 measured on labelled data, previous settings against new, in one run.
 
-    .venv/bin/python bench/tier1_pool.py [--raw DIR] [--head DIR] [--previous-head DIR] [--params FILE] [--json FILE]
+    .venv/bin/python bench/tier1_pool.py [--raw DIR] [--head DIR] [--before-head DIR] [--previous-head DIR]
+                                         [--params FILE] [--json FILE] [--dev-only | --seen-only]
+    .venv/bin/python bench/tier1_pool.py --raw DIR --shape-grid   # tier1e's choice of shape_scale and words_l2
 
 Without --raw, `assay ingest demo` (params.yaml's `demo:` section) is run
 into a temporary directory; without --head / --previous-head, the quality
 heads are trained there with the reference recipe (`quality:` section:
 positives are the reference set, negatives come only from the
 `negatives_share` part of the pool, Platt-calibrated on the dev part): the
-new one as params.yaml says, the previous one with `quality.markup: false`.
+new one as params.yaml says, the one before tier1e's change without the
+shape features (`quality.shape: false`, `words_l2` 0.05), the previous one
+also with `quality.markup: false`.
 
-Four labelled sets, labels by provenance only:
+Six labelled sets, labels by provenance only:
 - the pool's **dev part** (`quality.dev_share`): where settings are chosen.
   The run re-derives every choice by the rules written down before they
   were made (BENCHMARKS.md): markup to text for the heuristics
@@ -22,23 +26,33 @@ Four labelled sets, labels by provenance only:
 - **fresh set 2** (`assay.quality.fresh2`, its manifest
   tests/data/tier1_fresh2_manifest.tsv written before any score): scored
   first by the tier1c change's run; its misses motivated the records rule's
-  comment and value-line classes, so it is seen now;
-- **fresh set 3** (`assay.quality.fresh3`, its manifest
-  tests/data/tier1_fresh3_manifest.tsv written before any score): unseen
-  until this run, never chosen on.
+  comment and value-line classes, so it is seen;
+- **fresh set 3** (`assay.quality.fresh3`, manifest written before any
+  score): scored first by the tier1d run; its misses motivated tier1e's
+  change (shape features in the head, comment runs in the markup step), and
+  the shape features' scale and the words head's penalty were chosen on it
+  and the sets above, so it is seen;
+- **fresh set 4** (`assay.quality.fresh4`, its manifest
+  tests/data/tier1_fresh4_manifest.tsv written before tier1e's change and
+  before any score): unseen until this run, never chosen on.
 
 On each, three settings: the **previous** ones (reflow, Gopher rules for
 plain-text file sources, the calibrated raw-words head at 0.65: no markup
-step, no records rule), the ones **before** the records rule's comment and
-value-line classes (params.yaml with `skip_comments` and `value_lines`
-off), and the **new** ones (params.yaml): heuristics alone, the head alone,
-tier 1 (both), the head's ROC AUC on every labelled document, and per kind
-the keep rates (before -> new side by side).
+step, no records rule), the ones **before** tier1e (tier1d's: the markup
+step reads every `# ` line as a heading, the head reads words only with
+`words_l2` 0.05), and the **new** ones (params.yaml): heuristics alone, the
+head alone, tier 1 (both), the head's ROC AUC on every labelled document,
+and per kind the keep rates (before -> new side by side).
+
+`--shape-grid` re-derives tier1e's choice alone: a head per (shape_scale,
+words_l2), its AUC on the seen sets (never fresh set 4), and the choice by
+the rule fixed before the grid was first run (the largest minimum AUC).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -58,6 +72,10 @@ THRESHOLD_GRID = [round(x, 2) for x in np.arange(0.05, 0.951, 0.05)]
 RECORDS_GRID = [0.5, 0.6, 0.7, 0.8, 0.9]
 #: static.threshold before this change (chosen on the dev part for the raw-words head).
 PREVIOUS_THRESHOLD = 0.65
+#: The words head's L2 penalty before tier1e (chosen on the dev part for words alone).
+BEFORE_WORDS_L2 = 0.05
+#: static.threshold before tier1e.
+BEFORE_THRESHOLD = 0.5
 
 
 def pct(x: float) -> str:
@@ -76,15 +94,29 @@ def previous_params(params, head: str):
     static = dataclasses.replace(params.static, heuristics=heuristics, head=head, model=None,
                                  source_rules=without_records(params.static.source_rules),
                                  threshold=PREVIOUS_THRESHOLD)
-    return dataclasses.replace(params, static=static, quality=dataclasses.replace(params.quality, markup=False))
+    quality = dataclasses.replace(params.quality, markup=False, shape=False, words_l2=BEFORE_WORDS_L2)
+    return dataclasses.replace(params, static=static, quality=quality)
 
 
-def before_params(params):
-    """params.yaml without the records rule's comment and value-line classes (the tier1c settings)."""
-    h = params.static.heuristics
-    records = dataclasses.replace(h.records, skip_comments=False, value_lines=False)
-    heuristics = dataclasses.replace(h, records=records)
-    return dataclasses.replace(params, static=dataclasses.replace(params.static, heuristics=heuristics))
+def before_params(params, head: str):
+    """params.yaml as before tier1e (tier1d's settings): the head without shape features at the old penalty
+    (measure it inside `markup_before()`, the markup step without comment runs)."""
+    static = dataclasses.replace(params.static, head=head, model=None, threshold=BEFORE_THRESHOLD)
+    quality = dataclasses.replace(params.quality, shape=False, words_l2=BEFORE_WORDS_L2)
+    return dataclasses.replace(params, static=static, quality=quality)
+
+
+@contextlib.contextmanager
+def markup_before():
+    """The markup step as it was before tier1e: without the comment-run steps, every `# ` line a heading."""
+    import filters.markup as markup
+
+    saved = markup.RULES
+    markup.RULES = tuple(rule for rule in saved if rule not in markup.COMMENT_RUN_RULES)
+    try:
+        yield
+    finally:
+        markup.RULES = saved
 
 
 def _batch(docs: dict):
@@ -175,6 +207,18 @@ def choose_on_dev(docs: dict, params, previous_scorer, new_scorer) -> dict:
     return out
 
 
+def shape_on_dev(docs: dict, before_scorer, new_scorer) -> dict:
+    """The head without and with the shape features on the dev part (informational: tier1e chose the
+    shape features' scale and the penalty on the seen sets, BENCHMARKS.md)."""
+    from assay.quality.metrics import roc_auc
+    from assay.quality.pool import pool_labels
+
+    labels = pool_labels(docs["source"], [len(t) for t in docs["text"]])
+    labelled = labels >= 0
+    return {name: roc_auc(labels[labelled] == 1, scorer.score(docs["text"], None)[labelled])
+            for name, scorer in (("words only (before)", before_scorer), ("words + shape (new)", new_scorer))}
+
+
 def print_choice(choice: dict, params) -> None:
     print(f"## dev part: the choices ({choice['labelled']} labelled, {choice['good']} good)\n")
     print("| 1. heuristics' markup step (records off; previous head at 0.65) | heuristics: good kept / junk dropped | tier 1 |")
@@ -205,6 +249,9 @@ def print_choice(choice: dict, params) -> None:
     grid = ", ".join(f"{t}: {v:.3f}" for t, v in choice["threshold_grid"].items())
     print(f"4. threshold: {choice['chosen_threshold']} (params.yaml: {params.static.threshold})\n"
           f"good kept + junk dropped per threshold: {grid}\n")
+    if "shape" in choice:
+        print("5. head AUC on dev (every labelled document): "
+              + ", ".join(f"{k} {v:.4f}" for k, v in choice["shape"].items()) + "\n")
 
 
 def print_side_by_side(name: str, old: dict, new: dict, was: str = "before") -> None:
@@ -244,12 +291,58 @@ def print_summary(results: dict) -> None:
     print()
 
 
+#: tier1e's grid for the shape features' scale and the words head's penalty (chosen on the seen sets).
+SHAPE_SCALES = [0.25, 0.5, 1.0, 2.0, 4.0]
+WORDS_L2S = [0.02, 0.05, 0.1]
+
+
+def shape_grid(raw: str, params, sets: list, work: Path) -> dict:
+    """Head AUC on every labelled document of each seen set, per (shape_scale, words_l2), and the words-only
+    head at the old penalty; the rule (fixed before the grid was run): the largest minimum AUC over the sets,
+    ties (3 decimals) -> words_l2 0.05, then the scale nearest 1."""
+    from assay.quality.metrics import roc_auc
+    from assay.quality.pool import POOL_LABELS, labels_by_source
+    from assay.quality.scorer import HeadScorer
+    from assay.quality.train import reference_examples, train_head
+
+    examples = reference_examples(raw, params)
+    points = [(None, BEFORE_WORDS_L2)] + [(s, l2) for s in SHAPE_SCALES for l2 in WORDS_L2S]
+    out: dict = {}
+    print("| shape_scale : words_l2 | " + " | ".join(name for name, _, _ in sets) + " | min |")
+    print("|---|" + "---|" * (len(sets) + 1))
+    for scale, l2 in points:
+        q = dataclasses.replace(params.quality, shape=scale is not None, shape_scale=scale or 1.0, words_l2=l2)
+        head = work / f"grid-{scale}-{l2}"
+        train_head(examples, dataclasses.replace(params, quality=q), head, recipe="reference")
+        scorer = HeadScorer(head)
+        aucs = []
+        for _, docs, source_labels in sets:
+            rows = [i for i, kind in enumerate(docs["kind"]) if kind == "text"]
+            texts = [docs["text"][i] for i in rows]
+            labels = labels_by_source([docs["source"][i] for i in rows], [len(t) for t in texts],
+                                      POOL_LABELS if source_labels is None else source_labels)
+            labelled = labels >= 0
+            aucs.append(roc_auc(labels[labelled] == 1, scorer.score(texts, None)[labelled]))
+        key = "words only" if scale is None else f"{scale} : {l2}"
+        out[key] = {"scale": scale, "l2": l2, "auc": aucs, "min": min(aucs)}
+        print(f"| {key} | " + " | ".join(f"{a:.3f}" for a in aucs) + f" | {min(aucs):.3f} |", flush=True)
+    shaped = {k: v for k, v in out.items() if v["scale"] is not None}
+    best = max(shaped, key=lambda k: (round(shaped[k]["min"], 3), shaped[k]["l2"] == BEFORE_WORDS_L2,
+                                      -abs(shaped[k]["scale"] - 1.0)))
+    if round(out["words only"]["min"], 3) > round(shaped[best]["min"], 3):
+        best = "words only"
+    print(f"\nchosen: {best} (params.yaml: shape {params.quality.shape}, shape_scale {params.quality.shape_scale}, "
+          f"words_l2 {params.quality.words_l2})\n")
+    return {"grid": out, "chosen": best}
+
+
 def train(raw: str, params, out: str) -> str:
     from assay.quality.train import reference_examples, train_head
 
     report = train_head(reference_examples(raw, params), params, out, recipe="reference")
     t = report["training"]
-    print(f"head {out} (quality.markup {params.quality.markup}): {t['examples']} examples "
+    print(f"head {out} (quality.markup {params.quality.markup}, shape {params.quality.shape}, "
+          f"words_l2 {params.quality.words_l2}): {t['examples']} examples "
           f"({t['positives']} reference), held-out AUC {report['head']['auc']:.4f}; "
           f"calibration {report.get('calibration')}")
     return out
@@ -259,22 +352,39 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--raw", help="an ingested demo corpus (default: ingest one into a temporary directory)")
     parser.add_argument("--head", help="the new quality head (default: train one on --raw with params.yaml)")
+    parser.add_argument("--before-head", help="the head before tier1e (default: train one with quality.shape: false, "
+                        "words_l2 0.05)")
     parser.add_argument("--previous-head", help="the previous head (default: train one with quality.markup: false)")
     parser.add_argument("--params", help="params.yaml (default: the nearest one)")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--dev-only", action="store_true", help="only the dev part's choices (no other set is scored)")
-    parser.add_argument("--seen-only", action="store_true", help="score only the sets seen before (not fresh set 3)")
+    parser.add_argument("--seen-only", action="store_true", help="score only the sets seen before (not fresh set 4)")
+    parser.add_argument("--shape-grid", action="store_true",
+                        help="only tier1e's choice: train a head per (shape_scale, words_l2) and print its AUC on "
+                             "the seen sets (never fresh set 4)")
     args = parser.parse_args(argv)
 
     from assay.config import load_params
     from assay.quality.fresh import FRESH_LABELS, read_fresh
     from assay.quality.fresh2 import FRESH2_LABELS, read_fresh2
     from assay.quality.fresh3 import FRESH3_LABELS, read_fresh3
+    from assay.quality.fresh4 import FRESH4_LABELS, read_fresh4
     from assay.quality.pool import DEV, MEASURED, measure_tier1, read_pool
     from assay.quality.scorer import HeadScorer
 
     params = load_params(args.params)
+    if args.shape_grid and args.raw is None:
+        raise SystemExit("--shape-grid needs --raw (an ingested demo corpus)")
     work = Path(tempfile.mkdtemp(prefix="assay-tier1-pool-"))
+    if args.shape_grid:
+        seen = [("dev", read_pool(args.raw, params, part=DEV), None),
+                ("measured", read_pool(args.raw, params, part=MEASURED), None),
+                ("fresh 1", read_fresh(), FRESH_LABELS), ("fresh 2", read_fresh2()[0], FRESH2_LABELS),
+                ("fresh 3", read_fresh3()[0], FRESH3_LABELS)]
+        result = shape_grid(args.raw, params, seen, work)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2, default=float))
+        return result
     started = time.perf_counter()
     raw = args.raw
     if raw is None:
@@ -285,17 +395,23 @@ def main(argv: list[str] | None = None) -> dict:
         subprocess.run(cmd, check=True, env=dict(os.environ, PREFECT_LOGGING_LEVEL="WARNING"),
                        stdout=subprocess.DEVNULL)
     prev_head = args.previous_head or train(raw, previous_params(params, ""), str(work / "previous-head"))
+    if args.before_head is None:
+        with markup_before():
+            before_head = train(raw, before_params(params, ""), str(work / "before-head"))
+    else:
+        before_head = args.before_head
     head = args.head or train(raw, params, str(work / "head"))
     new = dataclasses.replace(params, static=dataclasses.replace(params.static, head=head, model=None))
     old = previous_params(new, prev_head)
-    before = before_params(new)
-    prev_scorer, new_scorer = HeadScorer(prev_head), HeadScorer(head)
-    if new_scorer.needs_embeddings or prev_scorer.needs_embeddings:
+    before = before_params(new, before_head)
+    prev_scorer, before_scorer, new_scorer = HeadScorer(prev_head), HeadScorer(before_head), HeadScorer(head)
+    if any(s.needs_embeddings for s in (prev_scorer, before_scorer, new_scorer)):
         raise SystemExit("this benchmark measures words heads (quality.features: words)")
     print()
 
     dev = read_pool(raw, new, part=DEV)
     choice = choose_on_dev(dev, new, prev_scorer, new_scorer)
+    choice["shape"] = shape_on_dev(dev, before_scorer, new_scorer)
     print_choice(choice, new)
     result: dict = {"dev_choice": choice}
     if args.dev_only:
@@ -303,20 +419,28 @@ def main(argv: list[str] | None = None) -> dict:
     fresh2, fresh2_labels, missing = read_fresh2()
     print(f"fresh set 2: {len(fresh2['id'])} documents read back from the manifest; not readable: {missing or 'none'}")
     fresh3, fresh3_labels, missing3 = read_fresh3()
-    print(f"fresh set 3: {len(fresh3['id'])} documents read back from the manifest; not readable: {missing3 or 'none'}"
-          f"{' (not scored: --seen-only)' if args.seen_only else ''}\n")
+    print(f"fresh set 3: {len(fresh3['id'])} documents read back from the manifest; not readable: {missing3 or 'none'}")
+    if args.seen_only:
+        fresh4, fresh4_labels, missing4 = None, None, None
+        print("fresh set 4: not read (--seen-only)\n")
+    else:
+        fresh4, fresh4_labels, missing4 = read_fresh4()
+        print(f"fresh set 4: {len(fresh4['id'])} documents read back from the manifest; "
+              f"not readable: {missing4 or 'none'}\n")
     sets = (
         ("pool dev part (chosen on)", dev, None),
         ("pool measured part (seen before)", read_pool(raw, new, part=MEASURED), None),
         ("fresh set 1 (seen before)", read_fresh(), FRESH_LABELS),
         ("fresh set 2 (seen: scored by tier1c)", fresh2, FRESH2_LABELS),
-        ("fresh set 3 (unseen)", fresh3, FRESH3_LABELS),
-    )[: 4 if args.seen_only else 5]
+        ("fresh set 3 (seen: scored by tier1d, chosen on by tier1e)", fresh3, FRESH3_LABELS),
+        ("fresh set 4 (unseen)", fresh4, FRESH4_LABELS),
+    )[: 5 if args.seen_only else 6]
     results = {}
     for name, docs, labels in sets:
         extra = {} if labels is None else {"source_labels": labels}
         o = measure_tier1(docs, old, None, prev_scorer, **extra)
-        b = measure_tier1(docs, before, None, new_scorer, **extra)
+        with markup_before():
+            b = measure_tier1(docs, before, None, before_scorer, **extra)
         n = measure_tier1(docs, new, None, new_scorer, **extra)
         print_side_by_side(name, b, n)
         results[name] = {"previous": o, "before": b, "new": n}
@@ -327,9 +451,12 @@ def main(argv: list[str] | None = None) -> dict:
     assert (recomputed == fresh2_labels).all(), "fresh set 2: labels differ from the manifest's"
     recomputed = labels_by_source(fresh3["source"], [len(t) for t in fresh3["text"]], FRESH3_LABELS)
     assert (recomputed == fresh3_labels).all(), "fresh set 3: labels differ from the manifest's"
+    if fresh4 is not None:
+        recomputed = labels_by_source(fresh4["source"], [len(t) for t in fresh4["text"]], FRESH4_LABELS)
+        assert (recomputed == fresh4_labels).all(), "fresh set 4: labels differ from the manifest's"
     print_summary(results)
     result["sets"] = results
-    print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, heads: {prev_head}, {head})")
+    print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, heads: {prev_head}, {before_head}, {head})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=float))
     return result

@@ -1,6 +1,7 @@
 """Semantic dedup in the manner of SemDeDup (Abbas et al., 2023), on stored embeddings.
 
-1. k-means over the L2-normalised embeddings (k from the corpus size);
+1. k-means over the L2-normalised embeddings (k from the corpus size; in
+   two levels when k is large, see `cluster`);
 2. inside each cluster, members are ordered by preference: farthest from
    the centroid first (SemDeDup's choice: prototypical examples are the
    redundant ones) or highest quality first;
@@ -13,6 +14,8 @@ product per cluster, so clusters must stay small (`docs_per_cluster`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,48 +56,133 @@ def kmeans(x: np.ndarray, k: int, *, iterations: int, seed: int) -> tuple[np.nda
     return labels[:, 0].astype(np.int64), centroids.astype(np.float32)
 
 
+def cluster(x: np.ndarray, k: int, *, iterations: int, seed: int, max_flat: int) -> tuple[np.ndarray, np.ndarray]:
+    """k clusters of the unit vectors x: (labels, unit centroids).
+
+    Up to `max_flat` clusters this is one flat `kmeans`. Above it, flat
+    k-means costs n * k per iteration, and with k = n / docs_per_cluster that
+    is quadratic in the corpus (1,022 s for 200k documents against 192 s for
+    100k, BENCHMARKS.md). So the vectors are first split into ceil(sqrt(k))
+    coarse clusters, and each part gets its share of the k clusters
+    (proportional to its size), recursively: about n * sqrt(k) per
+    iteration. The price is that two near-copies split by a coarse boundary
+    are not compared (`semantic_duplicates` answers that with several
+    partitions); the fine level is the same k-means.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = len(x)
+    k = max(1, min(k, n))
+    if k <= max_flat:
+        return kmeans(x, k, iterations=iterations, seed=seed)
+    coarse = int(np.ceil(np.sqrt(k)))
+    coarse_labels, _ = kmeans(x, coarse, iterations=iterations, seed=seed)
+    labels = np.empty(n, dtype=np.int64)
+    centroids = []
+    found = 0
+    with _one_thread():
+        for part in _groups(coarse_labels):
+            share = max(1, int(round(k * len(part) / n)))
+            part_labels, part_centroids = cluster(x[part], share, iterations=iterations, seed=seed,
+                                                  max_flat=max_flat)
+            labels[part] = part_labels + found
+            centroids.append(part_centroids)
+            found += len(part_centroids)
+    return labels, np.concatenate(centroids)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """faiss on one OpenMP thread. The parts of a two-level k-means are small (~n / sqrt(k) vectors); on
+    them OpenMP's fork/join and spin-waiting cost more than the threads gain: with 2 threads on the shared
+    2-core machine, SemDeDup of 200k vectors took 72 CPU s against 11 on one (BENCHMARKS.md)."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
+def _groups(labels: np.ndarray) -> list[np.ndarray]:
+    """Rows of each label, ascending within a group: one sort, not a scan of every row per label
+    (that scan alone is n * k, quadratic at SemDeDup's k)."""
+    order = np.argsort(labels, kind="stable")
+    bounds = np.flatnonzero(np.diff(labels[order])) + 1
+    return np.split(order, bounds)
+
+
 @dataclass
 class SemanticResult:
     keep: np.ndarray  # bool per row
     duplicate_of: np.ndarray  # int row of the kept document, -1 when kept
-    cluster: np.ndarray  # k-means cluster per row
-    max_similarity: np.ndarray  # to a preferred member of its cluster (NaN for the first)
+    cluster: np.ndarray  # k-means cluster per row (the first partition's)
+    max_similarity: np.ndarray  # to a preferred member of its cluster, best over partitions (NaN for the first)
 
 
 def semantic_duplicates(
     vectors: np.ndarray, params: SemanticDedupParams, quality: np.ndarray | None = None
 ) -> SemanticResult:
+    """SemDeDup over the rows of `vectors`.
+
+    With flat k-means (k <= max_flat_clusters) this is one pass, as the
+    paper. With two-level k-means a near-copy pair split by a coarse
+    boundary is never compared (1.5% of planted pairs at 204k documents,
+    BENCHMARKS.md), so `partitions` independent clusterings (seeds seed,
+    seed + 1, ...) each judge the documents the earlier ones kept, the way
+    LSH uses several tables: a pair is missed only when every partition
+    splits it.
+    """
     n = len(vectors)
     x = np.ascontiguousarray(vectors, dtype=np.float32)
     keep = np.ones(n, dtype=bool)
     duplicate_of = np.full(n, -1, dtype=np.int64)
     best = np.full(n, np.nan)
+    labels = np.zeros(n, dtype=np.int64)
     if n == 0:
-        return SemanticResult(keep, duplicate_of, np.zeros(0, dtype=np.int64), best)
-    k = max(1, n // max(1, params.docs_per_cluster))
-    labels, centroids = kmeans(x, k, iterations=params.kmeans_iterations, seed=params.seed)
-    threshold = 1.0 - params.eps
-    for c in np.unique(labels):
-        members = np.flatnonzero(labels == c)
-        if len(members) < 2:
-            continue
-        if params.keep == "quality" and quality is not None:
-            q = np.nan_to_num(np.asarray(quality, dtype=np.float64)[members], nan=-np.inf)
-            order = members[np.lexsort((members, -q))]
-        else:  # farthest from the centroid first; ties by row for determinism
-            similarity_to_centroid = x[members] @ centroids[c]
-            order = members[np.lexsort((members, similarity_to_centroid))]
-        sims = x[order] @ x[order].T
-        earlier = np.triu(sims, k=1)  # [i, j]: similarity of j to an earlier i
-        earlier[np.tril_indices(len(order))] = -np.inf
-        top = earlier.argmax(axis=0)
-        top_sim = earlier[top, np.arange(len(order))]
-        best[order[1:]] = top_sim[1:]
-        dropped = top_sim > threshold
-        for j in np.flatnonzero(dropped):
-            target = top[j]
-            while dropped[target]:  # point at a kept document, not at another duplicate
-                target = top[target]
-            keep[order[j]] = False
-            duplicate_of[order[j]] = order[target]
+        return SemanticResult(keep, duplicate_of, labels, best)
+    two_level = n // max(1, params.docs_per_cluster) > params.max_flat_clusters
+    for partition in range(params.partitions if two_level else 1):
+        rows = np.flatnonzero(keep)
+        k = max(1, len(rows) // max(1, params.docs_per_cluster))
+        part_labels, centroids = cluster(x[rows], k, iterations=params.kmeans_iterations,
+                                         seed=params.seed + partition, max_flat=params.max_flat_clusters)
+        if partition == 0:
+            labels = part_labels
+        for members in _groups(part_labels):
+            if len(members) > 1:
+                _drop_near_copies(x, rows[members], centroids[part_labels[members[0]]], params, quality,
+                                  keep, duplicate_of, best)
+    # A later partition may drop the document an earlier duplicate points at: point at what it kept.
+    dropped = np.flatnonzero(~keep)
+    while True:
+        stale = dropped[~keep[duplicate_of[dropped]]]
+        if len(stale) == 0:
+            break
+        duplicate_of[stale] = duplicate_of[duplicate_of[stale]]
     return SemanticResult(keep, duplicate_of, labels, best)
+
+
+def _drop_near_copies(x: np.ndarray, members: np.ndarray, centroid: np.ndarray, params: SemanticDedupParams,
+                      quality: np.ndarray | None, keep: np.ndarray, duplicate_of: np.ndarray,
+                      best: np.ndarray) -> None:
+    """One cluster: order the members by preference, drop each whose cosine to an earlier one is over 1 - eps."""
+    if params.keep == "quality" and quality is not None:
+        q = np.nan_to_num(np.asarray(quality, dtype=np.float64)[members], nan=-np.inf)
+        order = members[np.lexsort((members, -q))]
+    else:  # farthest from the centroid first; ties by row for determinism
+        order = members[np.lexsort((members, x[members] @ centroid))]
+    sims = x[order] @ x[order].T
+    earlier = np.triu(sims, k=1)  # [i, j]: similarity of j to an earlier i
+    earlier[np.tril_indices(len(order))] = -np.inf
+    top = earlier.argmax(axis=0)
+    top_sim = earlier[top, np.arange(len(order))]
+    best[order[1:]] = np.fmax(best[order[1:]], top_sim[1:])
+    dropped = top_sim > 1.0 - params.eps
+    for j in np.flatnonzero(dropped):
+        target = top[j]
+        while dropped[target]:  # point at a kept document, not at another duplicate
+            target = top[target]
+        keep[order[j]] = False
+        duplicate_of[order[j]] = order[target]

@@ -84,7 +84,8 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     staged = signatures_folder(out)
     files = [signatures_file(staged, u.index) for u in units]
     scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
-                                             unmapped(params.io.batch_rows), files), "dedup: hash + MinHash")
+                                             unmapped(params.io.batch_rows), files,
+                                             batch_bytes=unmapped(params.io.batch_bytes)), "dedup: hash + MinHash")
     corpus = gather(scans)
     del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
     exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))

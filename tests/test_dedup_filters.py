@@ -502,6 +502,50 @@ def test_semantic_duplicates_finds_planted_copies():
     assert np.all(result.duplicate_of[dropped] >= 0) and np.all(result.keep[result.duplicate_of[dropped]])
 
 
+def test_large_k_clusters_in_two_levels_and_still_finds_planted_copies():
+    """Above max_flat_clusters, k-means runs coarse-then-fine (n * sqrt(k) work, not n * k). The fine
+    clusters nest inside the coarse ones, their number is about k, and SemDeDup still drops the planted
+    near-copies and nothing else."""
+    from assay.config import SemanticDedupParams
+    from filters.semantic_dedup import cluster, kmeans, semantic_duplicates
+
+    rng = np.random.default_rng(2)
+    x, _ = _clustered_unit_vectors(n=3000, noise=0.3)
+    # Up to max_flat, cluster is exactly the flat faiss k-means.
+    flat = kmeans(x, 60, iterations=10, seed=0)
+    same = cluster(x, 60, iterations=10, seed=0, max_flat=60)
+    assert np.array_equal(flat[0], same[0]) and np.allclose(flat[1], same[1])
+
+    labels, centroids = cluster(x, 60, iterations=10, seed=0, max_flat=8)
+    coarse, _ = kmeans(x, 8, iterations=10, seed=0)  # ceil(sqrt(60)) = 8 coarse clusters, as cluster's first level
+    assert set(np.unique(labels)) == set(range(len(centroids)))
+    assert 50 <= len(centroids) <= 70, len(centroids)
+    for c in range(len(centroids)):
+        assert len(np.unique(coarse[labels == c])) == 1  # every fine cluster lies inside one coarse cluster
+    assert np.allclose(np.linalg.norm(centroids, axis=1), 1, atol=1e-5)
+
+    # Diffuse topics, so that coarse boundaries split some pairs: a second partition must catch them.
+    x, _ = _clustered_unit_vectors(n=3000, topics=300, noise=3.0)
+    src = rng.choice(len(x), size=150, replace=False)
+    copies = x[src] + 0.05 * rng.standard_normal((150, x.shape[1])).astype(np.float32) / np.sqrt(x.shape[1])
+    copies /= np.linalg.norm(copies, axis=1, keepdims=True)
+    vectors = np.concatenate([x, copies])
+    recalls, drops = [], []
+    for partitions in (1, 2):
+        result = semantic_duplicates(vectors, SemanticDedupParams(docs_per_cluster=50, eps=0.01,
+                                                                  max_flat_clusters=8, partitions=partitions))
+        assert result.cluster.max() + 1 > 8  # the two-level path ran
+        recalls.append((~result.keep[src] | ~result.keep[len(x):]).mean())
+        dropped = np.flatnonzero(~result.keep)
+        drops.append(set(dropped.tolist()))
+        assert drops[-1] <= set(src.tolist()) | set(range(len(x), len(vectors)))
+        # Never both of a pair, and every duplicate points at a document that stayed.
+        assert not np.any(~result.keep[src] & ~result.keep[len(x):])
+        assert np.all(result.keep[result.duplicate_of[dropped]])
+    assert drops[0] <= drops[1]  # the second partition only adds to the first's verdicts
+    assert recalls[0] >= 0.95 and recalls[1] == 1.0, recalls
+
+
 def test_lsh_band_task_memory_is_measured_not_just_the_formula():
     """One band task of the dedup stage allocates far less than a copy of the signatures (448 B a document):
     only its band's columns, one key and the sort (traced numpy allocations, peak over the start)."""

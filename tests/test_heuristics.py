@@ -567,7 +567,7 @@ def test_source_rules_accept_patterns_and_the_defaults_judge_plain_text_files_by
     defaults = params_from_dict({}).static
     gopher = ["gopher_repetition", "gopher_quality", "records"]
     for source in ("doc-readme", "pypi-description", "pypi-record", "dpkg-manifest", "debian-changelog", "logs",
-                   "fresh-licence", "fresh2-vim-help", "fresh3-perl-pod"):
+                   "fresh-licence", "fresh2-vim-help", "fresh3-perl-pod", "fresh4-rust-book"):
         assert rules_for(source, defaults.source_rules) == gopher, source
     assert rules_for("man", defaults.source_rules) is None  # anything else: the whole chain
     b = pa.record_batch({

@@ -172,6 +172,43 @@ def test_badge_laden_descriptions_fail_gopher_as_they_are_and_pass_without_marku
         assert values[2] == pytest.approx(old.scores[key][2], nan_ok=True), key
 
 
+#: A configuration file as /etc ships them: a licence/comment block, settings, a commented-out example.
+CONFIG_WITH_COMMENTS = """# /etc/frob.conf: configuration of the frob daemon
+#
+# Each setting is a key and a value. Lines that start with a hash are comments
+# and are ignored; the defaults are shown commented out below.
+#
+# See frob.conf(5) for the meaning of every setting.
+
+listen = 127.0.0.1:8080
+workers = 4
+# timeout = 30
+# retries = 3
+log_level = info
+"""
+
+
+def test_a_run_of_hash_lines_is_comments_not_markdown_headings():
+    """The markup step read every line-initial `# ` as a Markdown heading mark and took it out, so a
+    configuration file's comment block reached Gopher's `#` ratio as plain English (tier1d, fresh set 3's
+    /etc files: 95% dropped before the markup step, 57.5% after). Two or more consecutive `#` lines are
+    comments now and keep their `#`; a heading alone on its line still loses its mark."""
+    config, md, runs = markup_to_text(pa.array([
+        CONFIG_WITH_COMMENTS, "# Title\n\nText.\n\n## Usage\nRun it.\n",
+        "#a\n#b\n#c\ntext\n# d\n#e\n#f\n#g\n#h\n"])).to_pylist()
+    assert config == CONFIG_WITH_COMMENTS  # every comment line kept, with its `#`
+    assert md == "Title\n\nText.\n\nUsage\nRun it.\n"
+    assert runs == "#a\n#b\n#c\ntext\n# d\n#e\n#f\n#g\n#h\n"  # odd and even runs, indices 3 and 5
+    assert "\ue000" not in config + md + runs
+    # Gopher's `#` ratio now sees the comments as the published rule (no markup step) does.
+    b = batch(CONFIG_WITH_COMMENTS)
+    published = [f for f in build_heuristics(HeuristicsParams(markup=MarkupParams(enabled=False)))
+                 if f.name == "gopher_quality"][0]
+    ours = [f for f in build_heuristics(HeuristicsParams()) if f.name == "gopher_quality"][0]
+    ratio = ours.apply(b).scores["gopher_quality:hash_word_ratio"][0]
+    assert ratio == pytest.approx(published.apply(b).scores["gopher_quality:hash_word_ratio"][0]) and ratio > 0.1
+
+
 def test_hashed_words_with_markup_count_the_words_of_the_plain_text():
     from assay.quality.features import hashed_words
 
@@ -190,6 +227,7 @@ def test_a_head_trained_with_markup_scores_with_markup_and_old_heads_read_raw_te
     params = Params()
     params.quality.hash_dim = 4096
     params.quality.calibration = None
+    params.quality.shape = False  # the words alone here; heads with shape features: tests/test_quality.py
     texts = [PROSE + f" Example {i}." for i in range(20)] + [DPKG_STANZA.replace("tar", f"p{i}") for i in range(20)]
     labels = np.array([1] * 20 + [0] * 20)
     train_head(Examples(texts, labels, [str(i) for i in range(40)]), params, tmp_path / "head", recipe="labels")

@@ -171,7 +171,11 @@ def test_words_head_on_real_text(tmp_path):
     report = train_head(examples, params, out, recipe="labels")
     assert report["head"]["auc"] >= 0.9
     _, config = load_head(out)
-    assert config.features == "words" and config.dim == params.quality.hash_dim
+    # The word buckets, then the shape features (tier1e: `quality.shape` is on by default).
+    from assay.quality.features import SHAPE_FEATURES
+
+    assert config.features == "words" and config.dim == params.quality.hash_dim + len(SHAPE_FEATURES)
+    assert config.shape == list(SHAPE_FEATURES) and config.shape_scale == params.quality.shape_scale
     assert config.training["l2"] == params.quality.words_l2
     scorer = HeadScorer(out)
     assert not scorer.needs_embeddings
@@ -433,3 +437,80 @@ def test_a_head_with_calibration_examples_scores_calibrated_probabilities(tmp_pa
     params.quality.calibration = None
     report = train_head(examples, params, tmp_path / "raw", recipe="labels")
     assert "calibration" not in report and load_head(tmp_path / "raw")[1].calibration is None
+
+
+# --- shape features (ours, tier1e) ------------------------------------------------
+
+
+SHAPE_PROSE = (
+    "The parser reads the whole file before it checks anything, so that an error near the end is reported "
+    "with the same care as one at the start. Each message names the line and says what was expected there. "
+    "When the file is valid, the result is handed to the caller as a tree of plain objects, and nothing is "
+    "kept in memory after that.\n\n") * 3
+SHAPE_TABLE = "".join(f"<U{cp:04X}> /x{cp:02x} {cp * 7919 % 65536:04X}\n" for cp in range(0x41, 0x41 + 60))
+SHAPE_CONFIG = "".join(f"key_{i} = {i * 3}\n" for i in range(40))
+
+
+def test_shape_features_are_the_heuristics_statistics():
+    """Each shape feature is the heuristics' own statistic (default parameters, markup taken out when the
+    words are), mapped by a fixed transform; prose, a code table and a config differ where they should."""
+    from assay.config import GopherQualityParams, RecordsParams
+    from assay.quality.features import SHAPE_FEATURES, head_features, shape_features
+    from filters.gopher import GopherQualityFilter
+    from filters.records import RecordsFilter
+
+    texts = [SHAPE_PROSE, SHAPE_TABLE, SHAPE_CONFIG, ""]
+    x = shape_features(texts, markup=True)
+    assert x.shape == (4, len(SHAPE_FEATURES)) and x.dtype == np.float32 and np.isfinite(x).all()
+    col = {name: x[:, i] for i, name in enumerate(SHAPE_FEATURES)}
+    batch = pa.record_batch({"text": pa.array(texts, pa.large_string()), "kind": pa.array(["text"] * 4)})
+    gq = GopherQualityFilter(GopherQualityParams(), markup=True).apply(batch).scores
+    assert col["alpha_words_frac"][:3] == pytest.approx(gq["gopher_quality:alpha_words_frac"][:3], abs=1e-6)
+    assert col["stop_words"][:3] == pytest.approx(gq["gopher_quality:stop_words"][:3] / 8, abs=1e-6)
+    records = RecordsFilter(RecordsParams()).apply(batch).scores["records:field_lines_frac"]
+    assert col["field_lines_frac"][2] == pytest.approx(records[2]) == 1.0
+    # Every word of the table has a letter (`<U0041>`, `/x41`): Gopher's alpha share cannot tell it from
+    # prose; the share of letters among visible characters can.
+    assert col["alpha_words_frac"][0] == 1.0 and col["alpha_words_frac"][1] > 0.9
+    assert col["letter_frac"][0] > 0.95 and col["letter_frac"][1] < 0.5
+    assert col["stop_words"][0] > col["stop_words"][1] == 0.0
+    assert col["dup_line_frac"][0] > 0  # the paragraph repeated three times
+    assert not x[3].any()  # an empty text: every statistic 0, not NaN
+    # The head's input: the word buckets, then scale * the shape features.
+    words_and_shape = head_features(texts, 64, True, SHAPE_FEATURES, 2.0).to_dense().numpy()
+    assert words_and_shape.shape == (4, 64 + len(SHAPE_FEATURES))
+    assert words_and_shape[:, 64:] == pytest.approx(2.0 * x)
+    assert words_and_shape[:, :64] == pytest.approx(head_features(texts, 64, True).to_dense().numpy())
+    with pytest.raises(ValueError, match="shape features"):
+        head_features(texts, 64, True, ["alpha_words_frac"])
+
+
+def test_a_shape_head_scores_with_its_features_and_old_heads_read_words_only(tmp_path):
+    """A head saved with shape features scores with them (the scorer rebuilds the same input); a head
+    saved before they existed has no `shape` key and reads words only; the scale must be positive."""
+    from assay.config import params_from_dict
+    from assay.quality.features import SHAPE_FEATURES, head_features, hashed_words
+
+    examples = labelled_examples(write_jsonl(tmp_path / "labels.jsonl", real_labelled_rows(40)), None)
+    params = Params()
+    params = dataclasses.replace(params, quality=dataclasses.replace(params.quality, shape_scale=0.5))
+    train_head(examples, params, tmp_path / "head", recipe="labels")
+    scorer = HeadScorer(tmp_path / "head", calibrated=False)
+    texts = [SHAPE_PROSE, SHAPE_TABLE, SHAPE_CONFIG]
+    x = head_features(texts, params.quality.hash_dim, True, SHAPE_FEATURES, 0.5)
+    assert scorer.score(texts, None) == pytest.approx(1 / (1 + np.exp(-scorer.head.logits(x))))
+    assert scorer.head.linear.weight.shape[1] == params.quality.hash_dim + len(SHAPE_FEATURES)
+    # A words-only head of the size of the buckets, saved without the keys: words only.
+    config_path = tmp_path / "head" / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in ("shape", "shape_scale"):
+        del config[key]
+    config["dim"] = 256
+    words_only = LinearHead(256)
+    save_head(tmp_path / "old", words_only, HeadConfig(**{**config, "calibration": None}))
+    (tmp_path / "old" / "config.json").write_text(json.dumps({**config, "calibration": None}))
+    old = HeadScorer(tmp_path / "old")
+    assert old.config.shape == [] and old.score(texts, None) == pytest.approx(
+        1 / (1 + np.exp(-old.head.logits(hashed_words(texts, 256, markup=old.config.markup)))))
+    with pytest.raises(AssayError, match="shape_scale"):
+        params_from_dict({"quality": {"shape_scale": 0}})

@@ -399,3 +399,87 @@ def test_fresh3_is_disjoint_from_the_earlier_sets():
     assert not paths & earlier
     assert len(set(docs["text"])) == len(docs["text"])
     assert (labels == GOOD).sum() >= 100 and (labels == JUNK).sum() >= 200
+
+
+# --- fresh set 4 --------------------------------------------------------------------------
+
+
+def test_fresh4_labels_are_by_provenance_only_and_the_manifest_says_so():
+    """The committed manifest (written before tier1e's change and before any score) labels each document
+    by its kind alone (good kinds take only texts over the length floor)."""
+    from assay.quality.fresh import FRESH_LABELS
+    from assay.quality.fresh2 import FRESH2_LABELS
+    from assay.quality.fresh3 import FRESH3_LABELS
+    from assay.quality.fresh4 import FRESH4_LABELS, KINDS, MANIFEST, RULES, read_manifest
+    from filters.heuristics import rules_for
+
+    assert set(FRESH4_LABELS) == set(KINDS) == set(RULES)
+    earlier = set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(FRESH3_LABELS) | set(POOL_SOURCES)
+    assert not set(FRESH4_LABELS) & earlier
+    rows = read_manifest(MANIFEST)
+    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
+    assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
+    names = {GOOD: "good", JUNK: "junk"}
+    for row in rows:
+        assert row["label"] == names[FRESH4_LABELS[row["kind"]]] and row["rule"] == RULES[row["kind"]]
+        if row["label"] == "good":
+            assert int(row["chars"]) >= MIN_GOOD_CHARS
+    labels = [r["label"] for r in rows]
+    assert labels.count("good") >= 150 and labels.count("junk") >= 250
+    assert len({r["kind"] for r in rows if r["label"] == "good"}) >= 5
+    assert len({r["kind"] for r in rows if r["label"] == "junk"}) >= 8
+    static = Params().static
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
+               for k in FRESH4_LABELS)
+
+
+def test_fresh4_is_disjoint_from_the_earlier_sets():
+    """No locator or text of fresh set 2's or 3's manifests, no file of the pool's or fresh set 1's
+    candidate lists or of the demo's code side or reference set (man pages), nothing under the venv."""
+    import sys
+
+    from assay.ingest.demo import (
+        dist_info_files,
+        doc_files,
+        dpkg_manifests,
+        log_files,
+        man_pages,
+        metadata_files,
+        package_roots,
+        stdlib_files,
+    )
+    from assay.quality import fresh2, fresh3
+    from assay.quality.fresh import FILE_KINDS
+    from assay.quality.fresh4 import read_fresh4, read_manifest
+
+    rows = read_manifest()
+    for earlier_rows in (fresh2.read_manifest(), fresh3.read_manifest()):
+        assert not {r["locator"] for r in rows} & {r["locator"] for r in earlier_rows}
+        assert not {r["blake2b"] for r in rows} & {r["blake2b"] for r in earlier_rows}
+    roots = {sys.prefix} | {str(p) for p in package_roots()}
+    assert not [r["locator"] for r in rows if any(r["locator"].startswith(root + "/") for root in roots)]
+    docs, labels, missing = read_fresh4()
+    if len(docs["id"]) < 0.9 * len(rows):
+        pytest.skip(f"this machine lacks fresh set 4's files ({missing})")
+    earlier = {str(p) for p in metadata_files() + dist_info_files("RECORD") + dist_info_files("entry_points.txt")
+               + doc_files(lambda name: True) + dpkg_manifests() + log_files() + man_pages()}
+    earlier |= {str(p) for p in stdlib_files()}
+    for lister in FILE_KINDS.values():
+        earlier |= {str(p) for p in lister()}
+    paths = {locator.split("#", 1)[0] for locator in docs["path"]}
+    assert not paths & earlier
+    assert len(set(docs["text"])) == len(docs["text"])
+    assert (labels == GOOD).sum() >= 150 and (labels == JUNK).sum() >= 250
+
+
+def test_fresh4_reads_the_main_text_of_an_html_chapter():
+    """The Rust books' reader keeps `<main>`'s prose and drops code listings, scripts and the navigation."""
+    from assay.quality.fresh4 import main_text
+
+    html = ("<html><head><style>p {}</style></head><body><nav>Chapter 1 Chapter 2</nav><main>"
+            "<h1>Ownership</h1><p>Each value has an <em>owner</em>.</p><pre><code>let s = 1;</code></pre>"
+            "<script>var x;</script><p>When the owner goes out of scope, the value is dropped &amp; freed.</p>"
+            "</main><footer>Next</footer></body></html>")
+    assert main_text(html) == ("Ownership\n\nEach value has an owner.\n\n"
+                               "When the owner goes out of scope, the value is dropped & freed.\n")
+    assert main_text("<html><body><p>no main</p></body></html>") is None

@@ -75,3 +75,85 @@ def hashed_words(texts: Sequence[str], dim: int, markup: bool = False) -> torch.
     else:
         index, values = torch.zeros((2, 0), dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
     return torch.sparse_coo_tensor(index, values, (len(texts), dim), check_invariants=True).coalesce()
+
+
+#: The shape features (ours, not GPT-3's: its classifier had words only), in the order they follow the
+#: word buckets. Each is a statistic the heuristics already compute (`filters.gopher`, `filters.records`)
+#: or the share of letters among non-space characters, mapped to about [0, 1] by a fixed transform (no
+#: statistics of a training set), so a head generalises to junk whose words it never saw (a charmap, a
+#: keyboard table) by its shape: few alphabetic words, few stop words, repeated lines, key-value fields.
+SHAPE_FEATURES: tuple[str, ...] = (
+    "alpha_words_frac", "stop_words", "mean_word_length", "log_word_count", "hash_word_ratio",
+    "bullet_lines_frac", "dup_line_frac", "dup_line_char_frac", "top_2_gram_char_frac",
+    "dup_5_gram_char_frac", "field_lines_frac", "letter_frac",
+)
+
+
+def shape_features(texts: Sequence[str], markup: bool = False) -> np.ndarray:
+    """(len(texts), len(SHAPE_FEATURES)) float32: each text's shape statistics (see SHAPE_FEATURES).
+
+    The Gopher statistics are computed as the heuristics compute them with their default parameters
+    (whitespace words; `markup`: on the text with its markup taken out, like the words), the field-line
+    share as the records rule's default computes it; the parameters are fixed here, not read from
+    params.yaml, so a saved head's features do not move when a threshold does.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from assay.config import GopherQualityParams, GopherRepetitionParams, RecordsParams
+    from filters.gopher import GopherQualityFilter, GopherRepetitionFilter
+    from filters.records import RecordsFilter
+
+    n = len(texts)
+    if n == 0:
+        return np.zeros((0, len(SHAPE_FEATURES)), dtype=np.float32)
+    array = pa.array(list(texts), pa.large_string())
+    batch = pa.record_batch({"text": array, "kind": pa.array(["text"] * n)})
+    quality = GopherQualityParams()
+    scores: dict[str, np.ndarray] = {}
+    scores.update(GopherQualityFilter(quality, markup=markup).apply(batch).scores)
+    scores.update(GopherRepetitionFilter(GopherRepetitionParams(), markup=markup).apply(batch).scores)
+    scores.update(RecordsFilter(RecordsParams()).apply(batch).scores)
+
+    def get(name: str) -> np.ndarray:
+        return np.nan_to_num(np.asarray(scores[name], dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+
+    letters = np.asarray(pc.count_substring_regex(array, pattern=r"\pL"), dtype=np.float64)
+    visible = np.asarray(pc.count_substring_regex(array, pattern=r"\S"), dtype=np.float64)
+    columns = {
+        "alpha_words_frac": get("gopher_quality:alpha_words_frac"),
+        "stop_words": get("gopher_quality:stop_words") / len(quality.stop_words),
+        "mean_word_length": np.clip(get("gopher_quality:mean_word_length") / 10.0, 0.0, 2.0),
+        "log_word_count": np.clip(np.log1p(get("gopher_quality:word_count")) / np.log1p(1e5), 0.0, 1.5),
+        "hash_word_ratio": np.clip(get("gopher_quality:hash_word_ratio"), 0.0, 1.0),
+        "bullet_lines_frac": get("gopher_quality:bullet_lines_frac"),
+        "dup_line_frac": get("gopher_repetition:dup_line_frac"),
+        "dup_line_char_frac": get("gopher_repetition:dup_line_char_frac"),
+        "top_2_gram_char_frac": get("gopher_repetition:top_2_gram_char_frac"),
+        "dup_5_gram_char_frac": get("gopher_repetition:dup_5_gram_char_frac"),
+        "field_lines_frac": get("records:field_lines_frac"),
+        "letter_frac": np.divide(letters, visible, out=np.zeros(n), where=visible > 0),
+    }
+    return np.stack([columns[name] for name in SHAPE_FEATURES], axis=1).astype(np.float32)
+
+
+def with_shape(words: torch.Tensor, shape: np.ndarray, scale: float) -> torch.Tensor:
+    """The sparse word features with `scale` * `shape` appended as dense columns (after the buckets)."""
+    n, dim = words.shape
+    k = shape.shape[1]
+    rows = np.repeat(np.arange(n, dtype=np.int64), k)
+    cols = np.tile(np.arange(dim, dim + k, dtype=np.int64), n)
+    index = torch.cat([words.indices(), torch.from_numpy(np.stack([rows, cols]))], dim=1)
+    values = torch.cat([words.values(), torch.from_numpy((scale * shape).reshape(-1).astype(np.float32))])
+    return torch.sparse_coo_tensor(index, values, (n, dim + k), check_invariants=True).coalesce()
+
+
+def head_features(texts: Sequence[str], hash_dim: int, markup: bool, shape: Sequence[str] = (),
+                  shape_scale: float = 1.0) -> torch.Tensor:
+    """A words head's input: hashed words, then (when `shape` names SHAPE_FEATURES) the shape features."""
+    words = hashed_words(texts, hash_dim, markup=markup)
+    if not shape:
+        return words
+    if tuple(shape) != SHAPE_FEATURES:
+        raise ValueError(f"a head's shape features are {list(shape)}; this version computes {list(SHAPE_FEATURES)}")
+    return with_shape(words, shape_features(texts, markup=markup), shape_scale)

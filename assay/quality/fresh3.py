@@ -9,8 +9,10 @@ none of them reads: Perl's POD documentation, Python 2.7's standard library
 documentation, IDLE's text files, and other kinds of machine records and
 tables (pyenv's build definitions, Maven POMs, /etc configuration files,
 glibc charmaps, X11 Compose tables, PostgreSQL's extension control files
-and text-search data, groff font descriptions, polkit action files). It is
-only reported on, never tuned on.
+and text-search data, groff font descriptions, polkit action files). It was
+only reported on until tier1d's run; since then it is seen: tier1e chose the
+head's shape features' scale and penalty on it and the other seen sets
+(fresh set 4, `assay.quality.fresh4`, is the unseen one).
 
 **Labels come from provenance only**, written in code here and into the
 manifest (`tests/data/tier1_fresh3_manifest.tsv`: locator, kind, label, the
@@ -184,11 +186,20 @@ def label_of(kind: str, text: str) -> int:
 
 def iter_fresh3(per_kind: int = PER_KIND, seed: int = SEED) -> Iterator[fresh2.Fresh2Doc]:
     """The set's documents, kind by kind (see the module docstring)."""
+    seen, locators = earlier()
+    return sample_kinds(KINDS, FRESH3_LABELS, seen, locators, per_kind, seed)
+
+
+def sample_kinds(kinds: dict[str, Callable[[], list[tuple[str, Callable[[], str | None]]]]],
+                 labels: dict[str, int], seen: set[bytes], locators: set[str], per_kind: int,
+                 seed: int) -> Iterator[fresh2.Fresh2Doc]:
+    """Up to `per_kind` documents of each kind, sampled with `seed` from its sorted candidates: not a
+    locator of `locators`, not a text whose digest is in `seen` (which grows), and for a good kind not a
+    text under the length floor. Fresh sets 3 and 4 are drawn with it."""
     import random
 
     rng = random.Random(seed)
-    seen, locators = earlier()
-    for kind, lister in KINDS.items():
+    for kind, lister in kinds.items():
         candidates = sorted((c for c in lister() if c[0] not in locators), key=lambda c: c[0])
         order = rng.sample(range(len(candidates)), len(candidates))
         taken = 0
@@ -199,14 +210,14 @@ def iter_fresh3(per_kind: int = PER_KIND, seed: int = SEED) -> Iterator[fresh2.F
             text = read()
             # A good kind's text under the length floor would be unlabelled: it is not taken, so that
             # the kind's quota is spent on labelled documents (most of Python 2.7's docstrings are short).
-            if text is None or (FRESH3_LABELS[kind] == GOOD and len(text) < MIN_GOOD_CHARS):
+            if text is None or (labels[kind] == GOOD and len(text) < MIN_GOOD_CHARS):
                 continue
             digest = _digest(text)
             if digest in seen:
                 continue
             seen.add(digest)
             taken += 1
-            yield fresh2.Fresh2Doc(locator, kind, label_of(kind, text), text)
+            yield fresh2.Fresh2Doc(locator, kind, labels[kind], text)
 
 
 def write_manifest(path: str | Path = MANIFEST, per_kind: int = PER_KIND, seed: int = SEED) -> list[fresh2.Fresh2Doc]:

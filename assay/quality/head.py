@@ -73,6 +73,10 @@ class HeadConfig:
     #: Words features only: the words are counted with the text's markup taken out (`quality.markup`).
     #: Heads saved before this existed read the raw text.
     markup: bool = False
+    #: Words features only: the shape features appended after the word buckets (`SHAPE_FEATURES` names,
+    #: in order; ours, `quality.shape`), each times `shape_scale`. Heads saved before these existed: none.
+    shape: list[str] = field(default_factory=list)
+    shape_scale: float = 1.0
 
 
 def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:

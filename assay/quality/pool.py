@@ -29,8 +29,8 @@ choosing settings (the words head's L2 penalty, the per-source rule choice,
 `static.threshold`) and for the head's Platt scaling; tier 1 is measured on
 the rest, so no document the head was trained or calibrated on, or that a
 setting was chosen on, is counted. `assay.quality.fresh`,
-`assay.quality.fresh2` and `assay.quality.fresh3` are three more labelled
-sets of other files, for reporting only.
+`assay.quality.fresh2`, `assay.quality.fresh3` and `assay.quality.fresh4`
+are four more labelled sets of other files, for reporting only.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from assay.devices import pick_device
 from assay.encoder import CHARS_PER_TOKEN_BOUND, length_sorted_batches, use_bf16
 from assay.errors import AssayError
 from assay.quality.calibration import Platt
-from assay.quality.features import hashed_words
+from assay.quality.features import head_features
 from assay.quality.head import FINETUNED_ENCODER, load_head
 
 
@@ -47,8 +47,9 @@ class HeadScorer:
         return self.config.features != FEATURES_WORDS
 
     def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
-        features = (hashed_words(texts, self.config.dim, markup=self.config.markup)
-                    if self.config.features == FEATURES_WORDS else embeddings)
+        c = self.config
+        features = (head_features(texts, c.dim - len(c.shape), c.markup, c.shape, c.shape_scale)
+                    if c.features == FEATURES_WORDS else embeddings)
         logits = self.head.logits(features)
         if self.calibration is not None:
             return self.calibration(logits)

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 from assay.config import FEATURES_WORDS, Params
 from assay.encoder import Encoder
 from assay.errors import AssayError
-from assay.quality.features import hashed_words
+from assay.quality.features import SHAPE_FEATURES, head_features
 from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
 from assay.quality.calibration import fit_platt
@@ -193,11 +193,12 @@ def train_head(
     if q.features == FEATURES_WORDS:
         if finetune:
             raise AssayError("--finetune fine-tunes the encoder: it needs quality.features: embedding")
-        features = hashed_words(examples.texts, q.hash_dim, markup=q.markup)
+        shape = list(SHAPE_FEATURES) if q.shape else []
+        features = head_features(examples.texts, q.hash_dim, q.markup, shape, q.shape_scale)
         train_x = features.index_select(0, torch.as_tensor(train_rows, dtype=torch.int64))
         test_x = features.index_select(0, torch.as_tensor(test_rows, dtype=torch.int64))
         head = fit_logistic(train_x, examples.labels[train_rows], l2=q.words_l2)
-        dim, bf16, l2 = q.hash_dim, None, q.words_l2
+        dim, bf16, l2 = q.hash_dim + len(shape), None, q.words_l2
     else:
         encoder = Encoder(params.static.encoder)
         embeddings = encoder.encode(examples.texts, progress=progress)
@@ -223,7 +224,7 @@ def train_head(
     if q.calibration:
         if examples.calibration is not None:
             cal = examples.calibration
-            cal_x = (hashed_words(cal.texts, q.hash_dim, markup=q.markup) if q.features == FEATURES_WORDS
+            cal_x = (head_features(cal.texts, q.hash_dim, q.markup, shape, q.shape_scale) if q.features == FEATURES_WORDS
                      else encoder.encode(cal.texts))
             cal_logits, cal_labels = head.logits(cal_x), cal.labels
             fitted_on = "the pool's dev part (labels by provenance)"
@@ -265,6 +266,8 @@ def train_head(
         features=q.features,
         calibration=calibration,
         markup=q.markup and q.features == FEATURES_WORDS,
+        shape=shape if q.features == FEATURES_WORDS else [],
+        shape_scale=q.shape_scale,
     )
     save_head(out, head, config)
     return {**report, "training": config.training, "out": str(out), "recipe": recipe}

@@ -63,14 +63,16 @@ class ShardScan:
     signatures: np.ndarray | None
 
 
-def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: str | None = None) -> ShardScan:
+def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: str | None = None,
+               batch_bytes: int | None = None) -> ShardScan:
     """One shard's scan. With `signatures_to` (a file path or fsspec URL) the MinHash signatures are
-    written there by band (`write_signatures`) and the scan returned carries none."""
+    written there by band (`write_signatures`) and the scan returned carries none. `batch_bytes` bounds
+    the text shingled at once (`io.batch_bytes`)."""
     ids, kinds, sources, langs, paths, quality, hashes, sigs = [], [], [], [], [], [], [], []
     parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
     has_quality = "quality" in parquet.schema_arrow.names
     columns = ["id", "text", "kind", "source", "lang", "path"] + (["quality"] if has_quality else [])
-    for batch in shard_batches(parquet, shard, batch_size=batch_rows, columns=columns):
+    for batch in shard_batches(parquet, shard, batch_size=batch_rows, columns=columns, max_bytes=batch_bytes):
         ids += batch.column("id").to_pylist()
         kinds += batch.column("kind").to_pylist()
         sources += batch.column("source").to_pylist()
@@ -369,7 +371,7 @@ def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
     offset = 0
     try:
-        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):
             n = batch.num_rows
             part = rows[offset : offset + n]
             offset += n

@@ -113,7 +113,7 @@ def dynamic_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     table = {name: judged.column(name).combine_chunks() for name in judged.column_names}
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)
     try:
-        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows):
+        for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):
             n = batch.num_rows
             where = pc.index_in(batch.column("id"), value_set=table["id"])
             found = np.asarray(pc.is_valid(where).to_numpy(zero_copy_only=False), dtype=bool)
