@@ -121,6 +121,11 @@ _ENGLISH_STOPWORDS = (
 _STOPWORD_SET = pa.array(_ENGLISH_STOPWORDS, pa.string())
 _TEXT_EXTENSION_SET = pa.array(sorted(TEXT_EXTENSIONS), pa.string())
 _PUNCTUATION = ".,;:!?\"'()[]{}<>*`"
+#: The characters on which Arrow's UTF-8 word kernels and its ASCII ones part: whitespace
+#: outside ASCII's six (\x1c-\x1f included; the same set as Python's `str.split`), and the two
+#: that lower-case into ASCII ("İ" → "i", the Kelvin sign → "k"). A text without them gets the
+#: same tokens from the ASCII kernels, which are about twice as fast.
+NOT_ASCII_TOKENS = "[\x1c-\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\u0130\u212a]"
 
 #: Characters of each document that the content sniffs look at.
 SNIFF_CHARS = 4000
@@ -163,8 +168,11 @@ def text_paths(paths: pa.Array) -> np.ndarray:
     return found
 
 
-def classify_batch(texts: pa.Array, paths: pa.Array | None = None) -> tuple[pa.Array, pa.Array]:
+def classify_batch(texts: pa.Array, paths: pa.Array | None = None, *, heads: bool = False) -> tuple[pa.Array, pa.Array]:
     """(kind, lang) for every document of a batch.
+
+    `heads`: the texts are already cut to their first SNIFF_CHARS characters
+    (all the sniffs look at), so they are not cut again.
 
     The name of the file decides first (extension, `Makefile`...), then a
     shebang, then two content sniffs computed with Arrow's vectorised
@@ -182,7 +190,9 @@ def classify_batch(texts: pa.Array, paths: pa.Array | None = None) -> tuple[pa.A
     todo = np.flatnonzero(~code)  # sniff only what the names did not settle
     if len(todo):
         take = pa.array(todo)
-        head = pc.utf8_slice_codeunits(texts.take(take) if len(todo) < n else texts, 0, SNIFF_CHARS)
+        head = texts.take(take) if len(todo) < n else texts
+        if not heads:
+            head = pc.utf8_slice_codeunits(head, 0, SNIFF_CHARS)
         for j in np.flatnonzero(_np(pc.fill_null(pc.starts_with(head, "#!"), False))).tolist():
             found = language_from_shebang(head[j].as_py().split("\n", 1)[0])
             if found is not None:
@@ -206,14 +216,21 @@ def _sniff(head: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     line = pc.list_flatten(split)
     nonblank = _np(pc.not_equal(pc.utf8_trim_whitespace(line), ""))
     is_code = _np(pc.match_substring_regex(line, _CODE_LINE))
-    lines = np.maximum(np.bincount(owner, weights=nonblank, minlength=n), 1)
-    code_lines = np.bincount(owner, weights=is_code & nonblank, minlength=n)
+    # Counting the selected owners is about twice as fast as bincount's float weights.
+    lines = np.maximum(np.bincount(owner[nonblank], minlength=n), 1)
+    code_lines = np.bincount(owner[is_code & nonblank], minlength=n)
     # The ASCII kernels are about twice as fast and give the same tokens on
     # ASCII text, except that they do not split at \x1c-\x1f, which Python
     # and the UTF-8 split count as whitespace.
-    ascii_rows = _np(pc.fill_null(pc.string_is_ascii(head), True))
+    is_ascii = _np(pc.fill_null(pc.string_is_ascii(head), True))
+    ascii_rows = is_ascii.copy()
     if ascii_rows.any() and _any_byte_between(head, 0x1C, 0x1F):  # rare: a numpy scan of the buffer decides
         ascii_rows &= ~_np(pc.fill_null(pc.match_substring_regex(head, "[\\x1c-\\x1f]"), False))
+    # Text that is not ASCII mostly lacks NOT_ASCII_TOKENS too: then the ASCII kernels serve.
+    other = np.flatnonzero(~is_ascii)
+    if len(other):
+        part = head if len(other) == n else head.take(pa.array(other))
+        ascii_rows[other] = ~_np(pc.fill_null(pc.match_substring_regex(part, NOT_ASCII_TOKENS), False))
     words, stops = np.zeros(n), np.zeros(n)
     for rows, ascii in ((np.flatnonzero(ascii_rows), True), (np.flatnonzero(~ascii_rows), False)):
         if len(rows):
@@ -233,8 +250,8 @@ def _word_counts(head: pa.Array, ascii: bool) -> tuple[np.ndarray, np.ndarray]:
     token_owner = _np(pc.list_parent_indices(tokens))
     token = trim(pc.list_flatten(tokens), characters=_PUNCTUATION)
     n = len(head)
-    words = np.bincount(token_owner, weights=_np(pc.not_equal(token, "")), minlength=n)
-    stops = np.bincount(token_owner, weights=_np(pc.is_in(token, value_set=_STOPWORD_SET)), minlength=n)
+    words = np.bincount(token_owner[_np(pc.not_equal(token, ""))], minlength=n)
+    stops = np.bincount(token_owner[_np(pc.is_in(token, value_set=_STOPWORD_SET))], minlength=n)
     return words, stops
 
 

@@ -24,8 +24,9 @@
    invalid UTF-8, NUL bytes, a non-object, a missing text field, an empty
    text), through every tool once: what each keeps and what it loses; the
    run fails unless both of our readers quarantine exactly the injected lines.
-Everything runs in one process. Ours parses and checks two blocks at a time
-on worker threads while the main thread writes; `datasets` parses on Arrow's
+Everything runs in one process. Ours runs on the reading thread by default,
+and once more with two worker threads that parse and check blocks while the
+reading thread writes (`jsonl_threads: 2`); `datasets` parses on Arrow's
 thread pool; datatrove runs on one thread.
 """
 
@@ -113,8 +114,8 @@ def datasets_tool(path, out, params):
 
 def tools():
     """The tools by name; their modules are imported here, so no timing includes an import."""
-    found = {"assay, Arrow blocks (default)": assay_tool("arrow"),
-             "assay, Arrow blocks on the reading thread (jsonl_threads: 0)": assay_tool("arrow", jsonl_threads=0),
+    found = {"assay, Arrow blocks (default: on the reading thread)": assay_tool("arrow"),
+             "assay, Arrow blocks, 2 worker threads (jsonl_threads: 2)": assay_tool("arrow", jsonl_threads=2),
              "assay, line by line (reference)": assay_tool("lines")}
     try:
         import datatrove.pipeline.readers  # noqa: F401
@@ -164,7 +165,7 @@ def breakdown(path, out, params) -> dict[str, float]:
     finally:
         for owner, attr, original in originals:
             setattr(owner, attr, original)
-    spent["the rest (reading, checks, meta, ids, decisions)"] = total - sum(spent.values())
+    spent["the rest (reading, checks, nesting depth, meta, ids, decisions)"] = total - sum(spent.values())
     spent["total"] = total
     return spent
 

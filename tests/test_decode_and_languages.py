@@ -147,3 +147,54 @@ def test_a_batch_is_classified_as_each_document_alone():
     assert list(zip(kinds.to_pylist(), langs.to_pylist()))[:4] == [
         ("text", "en"), ("code", "und"), ("code", "python"), ("code", "python")]
     assert langs.to_pylist()[-3:] == ["en", "en", "en"]
+
+
+def test_heads_already_cut_are_classified_as_their_whole_texts():
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from assay.languages import SNIFF_CHARS, classify_batch
+
+    prose = "The quick brown fox jumps over the lazy dog, and it is in English. "
+    code = "int main() {\n  int x = 1;\n  return x;\n}\n"
+    texts = pa.array([prose * 200, code * 300, "caf\u00e9 " * 3000 + prose, "x", code * 300], pa.large_string())
+    paths = pa.array(["", "", "", "", "main.c"], pa.string())
+    heads = pc.utf8_slice_codeunits(texts, 0, SNIFF_CHARS)
+    whole = classify_batch(texts, paths)
+    cut = classify_batch(heads, paths, heads=True)
+    assert [a.to_pylist() for a in cut] == [a.to_pylist() for a in whole]
+    assert whole[0].to_pylist() == ["text", "code", "text", "text", "code"]
+
+
+def test_text_without_the_characters_where_arrow_s_word_kernels_part_is_counted_with_the_ascii_ones():
+    import random
+    import re
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from assay.languages import ENGLISH_STOPWORD_SHARE, NOT_ASCII_TOKENS, _sniff, _word_counts
+
+    # The set is exactly where Arrow's UTF-8 and ASCII kernels part, on every code point.
+    points = [c for c in range(1, 0x110000) if not 0xD800 <= c <= 0xDFFF]
+    probe = pa.array(["a" + chr(c) + "b" for c in points], pa.large_string())
+    splits = (pc.list_value_length(pc.utf8_split_whitespace(probe)).to_numpy()
+              != pc.list_value_length(pc.ascii_split_whitespace(probe)).to_numpy())
+    into_ascii = pc.string_is_ascii(pc.utf8_lower(probe)).to_numpy(zero_copy_only=False)
+    parting = {c for c, split, lower in zip(points, splits, into_ascii) if split or (c >= 0x80 and lower)}
+    assert parting == {c for c in points if re.fullmatch(NOT_ASCII_TOKENS, chr(c))}
+
+    rng = random.Random(5)
+    words = ["the", "\u0130n", "\u0130T", "of", "a", "zzz", "caf\u00e9", "na\u00efve", "\u212a", "THE", "to", "'the'", "it.", "{", "x;"]
+    seps = [" ", "\n", "\t", "\u00a0", "\u2003", "\x1c", "\u3000", "\u0085", "\u2028"]
+    texts = ["".join(rng.choice(words) + (rng.choice(seps) if rng.random() < 0.2 else " ")
+                     for _ in range(rng.randint(1, 30))) for _ in range(3000)]
+    heads = pa.array(texts, pa.large_string())
+    clean = pa.array([t for t in texts if not re.search(NOT_ASCII_TOKENS, t)], pa.large_string())
+    assert 100 < len(clean) < len(texts)
+    for got, want in zip(_word_counts(clean, True), _word_counts(clean, False)):
+        assert got.tolist() == want.tolist()
+    words_utf8, stops_utf8 = _word_counts(heads, False)  # every row through the UTF-8 kernels
+    english = (words_utf8 >= 5) & (stops_utf8 >= ENGLISH_STOPWORD_SHARE * np.maximum(words_utf8, 1))
+    assert _sniff(heads)[1].tolist() == english.tolist()

@@ -650,3 +650,131 @@ def test_brackets_inside_strings_do_not_send_a_line_to_python(tmp_path):
     assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
     assert counts["quarantined"] == 1  # the line nested 301 deep, by Python, as before
     assert counts["jsonl_lines_python"] == 1 and counts["jsonl_lines_arrow"] == 20
+
+
+def test_a_line_without_nesting_bytes_has_depth_zero_whatever_follows():
+    import numpy as np
+
+    from assay.ingest.jsonl import nesting_depths
+
+    lines = [b"plain\n", b'{"a": [{}]}\n', b"no events\n", b"\n", b"[[[\n"]
+    data = b"".join(lines)
+    ends = np.cumsum([len(x) for x in lines])
+    starts = ends - [len(x) for x in lines]
+    assert nesting_depths(np.frombuffer(data, np.uint8), starts, ends).tolist() == [0, 3, 0, 0, 3]
+
+
+def test_only_lines_with_more_brackets_than_arrow_may_nest_get_their_depth_in_numpy(tmp_path, monkeypatch):
+    """Up to ARROW_MAX_DEPTH brackets a line goes to Arrow, whose table type bounds its depth;
+    only a line with more is measured first. A line nested between MAX_JSON_DEPTH and
+    ARROW_MAX_DEPTH is found in the type and quarantined by Python; its neighbours stay with Arrow."""
+    import assay.ingest.jsonl as jsonl
+    from assay.ingest.jsonl import ARROW_MAX_DEPTH, MAX_JSON_DEPTH
+
+    measured = []
+    nesting_depths = jsonl.nesting_depths
+
+    def spy(data, starts, ends, *rest):
+        measured.append(len(starts))
+        return nesting_depths(data, starts, ends, *rest)
+
+    monkeypatch.setattr(jsonl, "nesting_depths", spy)
+    code = "f(a[1]) { x[2] = {3}; }\n" * 100  # 400 opening brackets in a string
+    assert MAX_JSON_DEPTH < code.count("[") + code.count("{") < ARROW_MAX_DEPTH
+    records = [{"id": f"c{i}", "text": code, "path": f"m{i}.c"} for i in range(10)]
+    records.append({"id": "many", "text": "{[" * ARROW_MAX_DEPTH})  # more brackets than Arrow may nest
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", max_bytes=100_000)
+    reference, _ = run_reader(path, tmp_path / "lines", "lines", max_bytes=100_000)
+    assert fast == reference and counts["jsonl_lines_arrow"] == 11
+    assert measured == [1]  # the line over ARROW_MAX_DEPTH, alone
+
+    measured.clear()
+    records.insert(3, {"id": "deep", "text": "x", "d": json.loads("[" * 600 + "]" * 600)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fast, counts = run_reader(path, tmp_path / "arrow2", "arrow", max_bytes=100_000)
+    reference, ref_counts = run_reader(path, tmp_path / "lines2", "lines", max_bytes=100_000)
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert [q["path"] for q in fast["quarantine"]] == ["code.jsonl:4"]
+    assert "nested deeper than" in fast["quarantine"][0]["detail"]
+    assert counts["jsonl_lines_python"] == 1 and counts["jsonl_lines_arrow"] == 11
+    assert measured == [1, 11]  # the line over ARROW_MAX_DEPTH; then the suspects of the table that nests too deep
+
+
+def test_the_type_of_a_parsed_table_bounds_the_depth_of_its_rows():
+    import random
+
+    import pyarrow.json as pa_json
+
+    from assay.ingest.jsonl import _depth, _row_depth
+
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(400):
+        record = {"text": "x", "m": _random_json_value(rng, 1), "n": _random_json_value(rng, 1)}
+        try:
+            table = pa_json.read_json(pa.BufferReader(json.dumps(record).encode() + b"\n"))
+        except pa.ArrowInvalid:  # a list of mixed types: Python's to judge
+            continue
+        assert _row_depth(table.schema) == _depth(record)
+        checked += 1
+    assert checked > 200
+    deep = json.dumps({"text": "x", "d": json.loads("[" * 900 + "]" * 900)}).encode() + b"\n"
+    assert _row_depth(pa_json.read_json(pa.BufferReader(deep)).schema) == 901  # no recursion in Python
+
+
+def test_blocks_are_read_into_the_buffers_of_written_blocks(tmp_path, monkeypatch):
+    import assay.ingest.jsonl as jsonl
+
+    reused = []
+    recycle = jsonl._Block.recycle
+
+    def spy(block):
+        buffer = recycle(block)
+        reused.append(buffer is not None)
+        return buffer
+
+    monkeypatch.setattr(jsonl._Block, "recycle", spy)
+    path = write_dirty(tmp_path / "dirty.jsonl", repeat=3)
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow", jsonl_block_bytes=4096)
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines")
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert len(reused) > 10 and all(reused)
+
+
+def test_a_read_buffer_that_something_still_holds_is_not_reused():
+    import numpy as np
+
+    from assay.ingest.jsonl import _Block
+    from assay.ingest.plan import IngestOptions, Unit
+
+    unit, options = Unit(kind="jsonl", source="s", path="a.jsonl"), IngestOptions()
+
+    def block() -> _Block:
+        return _Block(memoryview(bytearray(b'{"text": "a"}\n{"text": "b"}\n')), 1, unit, options, "a.jsonl", 1000)
+
+    free = block()
+    assert isinstance(free.recycle(), bytearray)
+    viewed = block()
+    view = np.frombuffer(viewed.data, np.uint8)
+    assert viewed.recycle() is None and view.tobytes().startswith(b'{"text"')  # the view stays valid
+    kept = block()
+    other = kept.data.obj
+    assert kept.recycle() is None and other.startswith(b'{"text"')
+
+
+def test_a_missing_field_sends_a_line_to_python_only_if_it_holds_a_json_null_member(tmp_path):
+    records = [{"id": f"d{i}", "text": f"if (p == null) return null; /* {i} */"} for i in range(30)]
+    records[3]["extra"] = 1  # the others lack it: nulls in Arrow's column, which Python leaves out
+    records[7]["extra"] = None  # a JSON null, which Python keeps
+    records[12]["meta"] = {"a": None, "b": 2}
+    records[13]["meta"] = {"b": 3}
+    path = tmp_path / "nulls.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    fast, counts = run_reader(path, tmp_path / "arrow", "arrow")
+    reference, ref_counts = run_reader(path, tmp_path / "lines", "lines")
+    assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
+    assert json.loads(fast["documents"][7]["meta"]) == {"extra": None}
+    assert json.loads(fast["documents"][12]["meta"]) == {"a": None, "b": 2}
+    assert counts["jsonl_lines_python"] == 2  # lines 8 and 13, not every text that says "null"

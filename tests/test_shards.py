@@ -110,3 +110,25 @@ def test_manifest_is_written_atomically(tmp_path):
     assert read_manifest(tmp_path) == {"a": 1}
     assert oct((tmp_path / "manifest.json").stat().st_mode & 0o777) != oct(0o600)
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_text_is_written_without_a_dictionary_and_other_columns_keep_theirs(tmp_path):
+    from assay.schema import DECISION_SCHEMA
+
+    docs = _docs(3000, size=2000)
+    with ShardWriter(tmp_path / "docs", DOCUMENT_SCHEMA) as writer:
+        writer.write(docs)
+    decisions = pa.table({"id": ["a", "b"], "stage": ["s", "s"], "kept": [True, False], "reason": [None, "r"],
+                          "scores": [[("x", 1.0)], None], "detail": [None, "d"]}, schema=DECISION_SCHEMA)
+    with ShardWriter(tmp_path / "decisions", DECISION_SCHEMA) as writer:
+        writer.write(decisions)
+    for folder, plain in (("docs", {"text"}), ("decisions", set())):
+        shard = list_shards(tmp_path / folder)[0]
+        meta = pq.ParquetFile(shard).metadata
+        for g in range(meta.num_row_groups):
+            for i in range(meta.num_columns):
+                column = meta.row_group(g).column(i)
+                if column.physical_type != "BOOLEAN":  # Parquet has no dictionary for booleans
+                    assert column.has_dictionary_page == (column.path_in_schema not in plain), column.path_in_schema
+    assert pq.read_table(list_shards(tmp_path / "docs")[0]).equals(docs)
+    assert pq.read_table(list_shards(tmp_path / "decisions")[0]).equals(decisions)

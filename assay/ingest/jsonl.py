@@ -7,8 +7,9 @@ in Python; `ingest_jsonl_lines` applies it to every line and is the reference.
 
 The default reader (`ingest_jsonl_blocks`) gets the same output faster: it
 reads blocks, splits them at newlines, and hands the lines that can only be
-plain JSON objects to `pyarrow.json` in one call (on worker threads, while
-the reading thread writes the blocks before them: `jsonl_threads`). A
+plain JSON objects to `pyarrow.json` in one call (optionally on worker
+threads while the reading thread writes the blocks before them:
+`jsonl_threads`). A
 block that Arrow rejects is split at the row Arrow names (or halved) until the
 lines it rejects are alone; those, and every row whose Arrow value could
 differ from Python's (see `_value_flags`), go through `parse_line`. Arrow
@@ -21,6 +22,8 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import sys
+import threading
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -70,6 +73,12 @@ HALVE_LINES = 1024
 #: recurses once per level (it fails near 1000), and the meta column is serialised again,
 #: so a depth no writer of real records uses is refused before either can fail.
 MAX_JSON_DEPTH = 200
+#: Arrow's JSON reader recurses once per level and crashes the process past its stack (a line
+#: nested ~15,000 deep with 8 MiB): it is handed no line that may nest deeper than this.
+#: Measured: about 500 bytes of stack a level; a thread with 512 KiB reads 1,000 levels, one
+#: with 256 KiB fails at 500. Python's threads get 8 MiB on Linux (the soft stack limit).
+#: A line over MAX_JSON_DEPTH but within this is found in the parsed table's type instead.
+ARROW_MAX_DEPTH = 1000
 #: Blocks prepared ahead of the writer per worker thread
 #: (`IngestOptions.jsonl_threads`), which bounds memory to a few blocks.
 PREPARE_AHEAD = 2
@@ -78,6 +87,7 @@ PREPARE_AHEAD = 2
 _BLANK = "^[" + "".join(f"\\x{{{ord(c):x}}}" for c in PY_WHITESPACE) + "]*$"
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _ERROR_ROW = re.compile(r" in row (\d+)$")
+_NULL_MEMBER = re.compile(rb":[ \t\r\n]*null")  # JSON's whitespace between a member's colon and value
 
 
 @dataclass(frozen=True)
@@ -130,59 +140,72 @@ def read_lines(handle, limit: int) -> Iterator[tuple[int, bytes, bool, int]]:
         yield number, line, False, len(line)
 
 
-def _blocks(handle, block_bytes: int, limit: int) -> Iterator[tuple[bytes | bytearray | None, int]]:
+def _blocks(handle, block_bytes: int, limit: int,
+            spare: list[bytearray] | None = None) -> Iterator[tuple[memoryview | None, int]]:
     """(whole lines, bytes read) in file order; the caller numbers the lines.
 
     A line longer than `limit` comes as (None, its size): it is drained, never
     held. A read error is raised after the whole lines read before it; the
-    partial line it cut is dropped, as `read_lines` drops it.
+    partial line it cut is dropped, as `read_lines` drops it. Blocks are read
+    into the buffers of `spare` when it has some (see `_Block.recycle`).
     """
     pending = b""
     while True:
-        data, chunk_size, error = _read_after(handle, pending, block_bytes)
+        raw, n, chunk_size, error = _read_after(handle, pending, block_bytes, spare.pop() if spare else None)
         if not chunk_size:
             if error is not None:
                 raise error
-            if data:  # the last line has no newline
-                yield (None if len(data) > limit else data), len(data)
+            if n:  # the last line has no newline
+                block = None if n > limit else memoryview(raw)[:n]
+                del raw
+                yield block, n
             return
-        cut = data.rfind(b"\n") + 1
-        pending = bytes(data[cut:])
+        cut = raw.rfind(b"\n", 0, n) + 1
+        pending = bytes(memoryview(raw)[cut:n])
         if cut:
-            if isinstance(data, bytearray):
-                del data[cut:]  # in place: no copy of the block
-            else:
-                data = data[:cut]
-            yield data, cut
+            block = memoryview(raw)[:cut]  # no copy of the block
+            del raw  # the view is all that holds the buffer while the caller has it
+            yield block, cut
+            del block
+        else:  # no newline yet: the line is all in `pending`, and the buffer free again
+            if spare is not None and isinstance(raw, bytearray):
+                spare.append(raw)
+            del raw
         if error is not None:
             raise error
         if len(pending) > limit:
             size = len(pending)
             while True:
-                chunk, _, error = _read_after(handle, b"", block_bytes)
+                chunk, got, _, error = _read_after(handle, b"", block_bytes)
                 if error is not None:
                     raise error
-                end = chunk.find(b"\n")
-                if not chunk or end >= 0:
+                end = chunk.find(b"\n", 0, got)
+                if not got or end >= 0:
                     size += end + 1 if end >= 0 else 0
-                    pending = bytes(chunk[end + 1:]) if end >= 0 else b""
+                    pending = bytes(memoryview(chunk)[end + 1:got]) if end >= 0 else b""
                     break
-                size += len(chunk)
+                size += got
             yield None, size
 
 
-def _read_after(handle, pending: bytes, size: int) -> tuple[bytes | bytearray, int, BaseException | None]:
-    """`pending` followed by up to `size` more bytes, how many were read, and the error that stopped reading.
+def _read_after(handle, pending: bytes, size: int,
+                buffer: bytearray | None = None) -> tuple[bytes | bytearray, int, int, BaseException | None]:
+    """`pending` followed by up to `size` more bytes: (an object whose first n bytes they are, n,
+    how many bytes were read, the error that stopped reading).
 
-    A gzip stream is read with `read1` so that what was decompressed before a
-    truncation or corruption is kept, as the line reader keeps those lines.
+    A plain file is read into `buffer` when it is large enough: a fresh buffer
+    of a few MB costs the kernel a page fault per 4 KiB, about as much CPU as
+    the read itself. A gzip stream is read with `read1` so that what was
+    decompressed before a truncation or corruption is kept, as the line
+    reader keeps those lines.
     """
     if not isinstance(handle, gzip.GzipFile):
-        buffer = bytearray(len(pending) + size)
+        need = len(pending) + size
+        if buffer is None or len(buffer) < need:
+            buffer = bytearray(need + size // 2)  # room for the partial lines of later blocks
         buffer[:len(pending)] = pending
-        got = handle.readinto(memoryview(buffer)[len(pending):])
-        del buffer[len(pending) + got:]
-        return buffer, got, None
+        got = handle.readinto(memoryview(buffer)[len(pending):need])
+        return buffer, len(pending) + got, got, None
     parts, got = [pending], 0
     try:
         while got < size:
@@ -192,8 +215,10 @@ def _read_after(handle, pending: bytes, size: int) -> tuple[bytes | bytearray, i
             parts.append(part)
             got += len(part)
     except (OSError, EOFError, zlib.error) as exc:
-        return b"".join(parts), got, exc
-    return b"".join(parts), got, None
+        data = b"".join(parts)
+        return data, len(data), got, exc
+    data = b"".join(parts)
+    return data, len(data), got, None
 
 
 # --- one line in Python ---------------------------------------------------------------
@@ -288,18 +313,50 @@ def _depth(value: Any) -> int:
 
 #: Up to this many lines, `nesting_depths` scans each line alone rather than their whole span.
 NESTING_LINES_ALONE = 64
-_QUOTE, _BACKSLASH, _OPEN, _CLOSE = (np.uint8(ord(c)) for c in '"\\{}')
+_QUOTE, _BACKSLASH, _OPEN, _CLOSE, _PIPE = (np.uint8(ord(c)) for c in '"\\{}|')
 _CASE = np.uint8(0x20)  # "[" | 0x20 == "{" and "]" | 0x20 == "}"; no other byte maps there
+_TWO = np.uint8(2)
 
 
-def nesting_events(data: np.ndarray) -> np.ndarray:
-    """Positions of the bytes that decide JSON nesting: quotes, backslashes and brackets."""
+class Scratch(threading.local):
+    """Arrays reused from block to block, one set per thread.
+
+    A fresh temporary of a few MB costs the kernel a page fault per 4 KiB
+    (about 3 µs each on the bench machine), as much as the work done on it.
+    """
+
+    def __init__(self) -> None:
+        self.held: dict[str, np.ndarray] = {}
+
+    def take(self, key: str, n: int, dtype: type) -> np.ndarray:
+        held = self.held.get(key)
+        if held is None or len(held) < n:
+            held = self.held[key] = np.empty(n + n // 4, dtype)
+        return held[:n]
+
+
+def _take(scratch: Scratch | None, key: str, n: int, dtype: type) -> np.ndarray:
+    return scratch.take(key, n, dtype) if scratch is not None else np.empty(n, dtype)
+
+
+def nesting_events(data: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+    """Positions of the bytes that may decide JSON nesting: quotes, backslashes, brackets, and "|".
+
+    With 0x20 set, "[", "\\" and "]" become "{", "|" and "}", three consecutive
+    bytes, so one range test finds all five; the "|" it also finds is the
+    caller's to drop. (Each pass over the bytes costs as much as the next:
+    fewer passes is what makes this cheap.)
+    """
     # numpy compares a uint8 array with a uint8 scalar several times faster than with an int.
-    folded = data | _CASE
-    return np.flatnonzero((folded == _OPEN) | (folded == _CLOSE) | (data == _QUOTE) | (data == _BACKSLASH))
+    n = len(data)
+    folded = np.bitwise_or(data, _CASE, out=_take(scratch, "bytes", n, np.uint8))
+    np.subtract(folded, _OPEN, out=folded)  # wraps around below "{"
+    found = np.less_equal(folded, _TWO, out=_take(scratch, "found", n, np.bool_))
+    found |= np.equal(data, _QUOTE, out=_take(scratch, "mask", n, np.bool_))
+    return np.flatnonzero(found)
 
 
-def nesting_depths(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def nesting_depths(data: np.ndarray, starts: np.ndarray, ends: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
     """Per line `data[starts[i]:ends[i]]` (sorted, disjoint): how deep `[` and `{` nest outside JSON strings.
 
     For a line that parses, this is `_depth` of its value. For one that does
@@ -313,16 +370,22 @@ def nesting_depths(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     if not n:
         return deepest
     if n <= NESTING_LINES_ALONE:  # a few long lines (code in a text field): only their bytes
-        pos = np.concatenate([nesting_events(data[s:e]) + s for s, e in zip(starts.tolist(), ends.tolist())])
+        pos = np.concatenate([nesting_events(data[s:e], scratch) + s for s, e in zip(starts.tolist(), ends.tolist())])
     else:  # many short ones: one pass over the span is cheaper than a call per line
-        pos = nesting_events(data[starts[0]:ends[-1]]) + starts[0]
+        pos = nesting_events(data[starts[0]:ends[-1]], scratch) + starts[0]
+    # Only a backslash run that ends at a quote can change what a quote means, and every
+    # backslash of such a run is followed by a backslash or a quote. The others (most of
+    # the events in code, whose line breaks are escapes in JSON) and "|" are dropped here.
+    byte = data[pos]
+    after = data[np.minimum(pos + 1, len(data) - 1)]
+    relevant = np.where(byte == _BACKSLASH, (after == _QUOTE) | (after == _BACKSLASH), byte != _PIPE)
+    pos, byte = pos[relevant], byte[relevant]
     owner = np.searchsorted(ends, pos, side="right")
     keep = owner < n
     keep[keep] = pos[keep] >= starts[owner[keep]]
-    pos, owner = pos[keep], owner[keep]
+    pos, owner, byte = pos[keep], owner[keep], byte[keep]
     if not len(pos):
         return deepest
-    byte = data[pos]
     backslash = byte == _BACKSLASH
     # Length of the run of backslashes that ends at each event (0 elsewhere).
     after_backslash = np.zeros(len(pos), bool)
@@ -340,13 +403,29 @@ def nesting_depths(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
         total = np.cumsum(values) - values
         return total - np.append(total, 0)[first][owner]
 
-    outside = since_line_start(quote.astype(np.int64)) % 2 == 0
+    outside = (since_line_start(quote.astype(np.int64)) & 1) == 0
     folded = byte | _CASE
     step = (outside & (folded == _OPEN)).astype(np.int64) - (outside & (folded == _CLOSE))
     depth = since_line_start(step) + step
-    has = first < len(pos)
+    has = np.bincount(owner, minlength=n) > 0  # a line without events has depth 0, not its successor's
     deepest[has] = np.maximum.reduceat(depth, first[has])
     return np.maximum(deepest, 0)
+
+
+#: Up to this many lines, `_opening_brackets` counts each line's slice of the mask alone.
+BRACKET_LINES_ALONE = 2048
+
+
+def _opening_brackets(data: np.ndarray, starts: np.ndarray, ends: np.ndarray, scratch: Scratch | None = None) -> np.ndarray:
+    """Per line `data[starts[i]:ends[i]]` (sorted, disjoint): how many "[" and "{" it holds, in strings or not."""
+    # One mask over the bytes, then a count per line: a fifth of what `bytes.count` twice per
+    # line costs (it compares byte by byte); positions are found only for very many lines.
+    folded = np.bitwise_or(data, _CASE, out=_take(scratch, "bytes", len(data), np.uint8))
+    opening = np.equal(folded, _OPEN, out=_take(scratch, "mask", len(data), np.bool_))
+    if len(starts) <= BRACKET_LINES_ALONE:
+        return np.array([np.count_nonzero(opening[s:e]) for s, e in zip(starts.tolist(), ends.tolist())], np.int64)
+    before = np.searchsorted(np.flatnonzero(opening), np.concatenate((starts, ends)))
+    return before[len(starts):] - before[:len(starts)]
 
 
 def ingest_jsonl_lines(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
@@ -402,13 +481,19 @@ def ingest_jsonl_blocks(unit: Unit, sink: "Sink", options: IngestOptions) -> int
     limit = options.max_bytes + LINE_SLACK
     bytes_in, number = 0, 0  # lines so far
     pending: deque[tuple["_Block | LineBad", Future | None]] = deque()
+    spare: list[bytearray] = []  # buffers of written blocks, to read the next ones into
+    scratch = Scratch()  # and each thread's temporary arrays, for this file only
 
     def emit_oldest() -> None:
         item, future = pending.popleft()
         if future is None:
             _quarantine(sink, unit, item)
         else:
-            future.result().emit(sink)
+            block = future.result()
+            block.emit(sink)
+            buffer = block.recycle()
+            if buffer is not None:
+                spare.append(buffer)
 
     threads = options.jsonl_threads
     ahead = PREPARE_AHEAD * threads
@@ -416,15 +501,16 @@ def ingest_jsonl_blocks(unit: Unit, sink: "Sink", options: IngestOptions) -> int
     with open_lines(unit.path) as handle, executor as pool:
         try:
             try:
-                for block, size in _blocks(handle, options.jsonl_block_bytes, limit):
+                for block, size in _blocks(handle, options.jsonl_block_bytes, limit, spare):
                     bytes_in += size
                     if block is None:
                         number += 1
                         pending.append((_too_long(unit, options, label, number), None))
                     else:
-                        lines = _Block(block, number + 1, unit, options, label, limit)
+                        lines = _Block(block, number + 1, unit, options, label, limit, scratch)
                         number += lines.n
                         pending.append((lines, pool.submit(lines.prepare)))
+                        del block, lines
                     while len(pending) > ahead:
                         emit_oldest()
             except (OSError, EOFError, zlib.error):
@@ -461,10 +547,12 @@ class _OnThisThread:
 class _Block:
     """The whole lines of one block, judged as `parse_line` would, mostly by Arrow."""
 
-    def __init__(self, data: bytes, first: int, unit: Unit, options: IngestOptions, label: str, limit: int):
+    def __init__(self, data: memoryview, first: int, unit: Unit, options: IngestOptions, label: str, limit: int,
+                 scratch: Scratch | None = None):
         self.data, self.first, self.unit, self.options, self.label, self.limit = data, first, unit, options, label, limit
+        self.scratch = scratch
         a = np.frombuffer(data, np.uint8)
-        ends = np.flatnonzero(a == np.uint8(10)) + 1
+        ends = np.flatnonzero(np.equal(a, np.uint8(10), out=_take(scratch, "mask", len(a), np.bool_))) + 1
         if not len(ends) or ends[-1] != len(data):
             ends = np.append(ends, len(data))
         self.starts = np.concatenate(([0], ends[:-1])).astype(np.int64)
@@ -474,11 +562,28 @@ class _Block:
         self.python: list[int] = []  # line indices for parse_line
         self.bad: list[LineBad] = []
         self.too_long: list[int] = []
+        self.suspects = np.zeros(0, np.int64)  # lines that may nest deeper than MAX_JSON_DEPTH (see `prepare`)
         self.blank = 0
         self.batch: pa.RecordBatch | None = None
 
     def line(self, i: int) -> bytes:
         return bytes(self.data[self.starts[i]:self.ends[i]])
+
+    def recycle(self) -> bytearray | None:
+        """After `emit`: the buffer the block was read into, if nothing else holds on to it.
+
+        A view of it that is still alive (numpy, Arrow) makes `release` fail, and
+        any other reference shows in its reference count: then it is left alone.
+        """
+        data, self.data = self.data, None
+        buffer = data.obj
+        try:
+            data.release()
+        except BufferError:
+            return None
+        del data
+        # Two references: `buffer`, and getrefcount's own argument.
+        return buffer if isinstance(buffer, bytearray) and sys.getrefcount(buffer) == 2 else None
 
     def number(self, i: int) -> int:
         return self.first + int(i)
@@ -494,23 +599,24 @@ class _Block:
         # as `json.loads` would; blank lines, a BOM, leading spaces and
         # anything else are left to Python.
         python = a[self.starts] != ord("{")
-        # A line nested deeper than MAX_JSON_DEPTH is `parse_line`'s to quarantine (Arrow's
-        # parser would crash on it). Counting brackets is a cheap upper bound; a line over
-        # it (code in a text field easily is) gets its real depth, outside strings.
-        # Only a line longer than the limit can hold that many brackets; `bytes.count` on
-        # each of those allocates nothing, unlike a mask and its positions.
+        # A line nested deeper than MAX_JSON_DEPTH is `parse_line`'s to quarantine, and Arrow's
+        # parser would crash on one nested far deeper. Counting brackets is a cheap upper bound
+        # (only a line longer than the limit can hold that many). A line with more than
+        # ARROW_MAX_DEPTH gets its real depth, outside strings, before Arrow sees it; one with
+        # fewer (code in a text field easily has a few hundred) is only a suspect, measured if
+        # its table's type nests too deep (`_parse`), which real records never do.
         long = np.flatnonzero(self.ends - self.starts > MAX_JSON_DEPTH)
         if len(long):
-            data = self.data
-            many = long[np.array([data.count(b"[", s, e) + data.count(b"{", s, e) > MAX_JSON_DEPTH
-                                  for s, e in zip(self.starts[long].tolist(), self.ends[long].tolist())], bool)]
+            counts = _opening_brackets(a, self.starts[long], self.ends[long], self.scratch)
+            self.suspects = long[(counts > MAX_JSON_DEPTH) & (counts <= ARROW_MAX_DEPTH)]
+            many = long[counts > ARROW_MAX_DEPTH]
             if len(many):
-                deep = nesting_depths(a, self.starts[many], self.ends[many]) > MAX_JSON_DEPTH
+                deep = nesting_depths(a, self.starts[many], self.ends[many], self.scratch) > MAX_JSON_DEPTH
                 python[many[deep]] = True
         # Raw NUL and DEL bytes make a line binary to `decode`; Arrow would
         # accept DEL inside a string.
         for byte in (b"\x00", b"\x7f"):
-            if byte in self.data:
+            if self.data.obj.find(byte, 0, len(self.data)) >= 0:  # the view starts at 0
                 at = np.flatnonzero(a == byte[0])
                 python[np.searchsorted(self.ends, at, side="right")] = True
         if not _is_utf8(self.data):  # Arrow does not check; `decode` may still read a legacy encoding
@@ -536,7 +642,7 @@ class _Block:
         while work:
             piece = work.pop()
             try:
-                table = self._read_json(piece)
+                table, depth = self._read_json(piece)
             except pa.ArrowException as exc:
                 if len(piece) <= SMALL_PIECE:
                     self.python.extend(piece.tolist())
@@ -566,25 +672,39 @@ class _Block:
                     half = len(piece) // 2
                     work.extend((piece[:half], piece[half:]))
                 continue
+            if depth > MAX_JSON_DEPTH:  # a suspect is too deep: to Python, the rest parsed again
+                suspects = piece[np.isin(piece, self.suspects)]
+                a = np.frombuffer(self.data, np.uint8)
+                deep = suspects[nesting_depths(a, self.starts[suspects], self.ends[suspects], self.scratch) > MAX_JSON_DEPTH]
+                deep = deep if len(deep) else piece  # cannot be (a type nests as deep as its deepest value)
+                self.python.extend(deep.tolist())
+                rest = piece[~np.isin(piece, deep)]
+                if len(rest):
+                    work.append(rest)
+                continue
             self._convert(piece, table)
 
-    def _read_json(self, lines: np.ndarray) -> pa.Table:
+    def _read_json(self, lines: np.ndarray) -> tuple[pa.Table, int]:
+        """These lines parsed by Arrow, and how deep its rows may nest (`_row_depth`)."""
         if len(lines) == self.n:
             buffer = self.data
         else:
             buffer = b"".join(self.data[s:e] for s, e in zip(self.starts[lines].tolist(), self.ends[lines].tolist()))
-        if not buffer.endswith(b"\n"):
-            buffer = bytes(buffer) + b"\n"  # never in place: the block is a bytearray
+        if buffer[-1:] != b"\n":
+            buffer = bytes(buffer) + b"\n"  # never in place: the block is a view of a read buffer
         # One chunk on the calling thread: blocks are already parsed in
         # parallel, and Arrow's chunked parse cost about 10% more CPU here.
         read_options = pa_json.ReadOptions(use_threads=False, block_size=len(buffer) + 1)
         table = pa_json.read_json(pa.BufferReader(buffer), read_options=read_options)
+        depth = _row_depth(table.schema)
+        if depth > MAX_JSON_DEPTH:  # not for use; nor for `_has_timestamp`, which recurses per level
+            return table, depth
         if _has_timestamp(table.schema):
             # Arrow reads ISO dates as timestamps; the text as written is what Python keeps.
             schema = pa.schema([f.with_type(_timestamps_as_strings(f.type)) for f in table.schema])
             table = pa_json.read_json(pa.BufferReader(buffer), read_options=read_options,
                                       parse_options=pa_json.ParseOptions(explicit_schema=schema))
-        return table
+        return table, depth
 
     # -- Arrow rows → documents --
 
@@ -627,7 +747,7 @@ class _Block:
             to_python |= inexact
             if name in COLUMN_FIELDS and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
                 usable = _np(pc.fill_null(pc.not_equal(values, ""), False))
-                column_values[name] = pc.if_else(usable, values, None).cast(pa.string())
+                column_values[name] = (values if usable.all() else pc.if_else(usable, values, None)).cast(pa.string())
                 to_meta.append((name, values, ~usable & ~missing))
             else:
                 to_meta.append((name, values, ~missing))
@@ -637,9 +757,11 @@ class _Block:
             clashes = {meta_struct.type.field(i).name for i in range(meta_struct.type.num_fields)} & set(cols)
             if clashes:
                 to_python |= _np(meta_struct.is_valid())
-        # A null is only ambiguous if the line holds a JSON null at all.
+        # A null is only ambiguous if the line holds a JSON null as an object member, which
+        # follows its colon. ("null" anywhere was too wide: one record with an extra field
+        # sent every other one whose code said "null" to Python.)
         for i in np.flatnonzero(nullish & ~to_python):
-            if b"null" in self.line(lines[i]):
+            if _NULL_MEMBER.search(self.data, int(self.starts[lines[i]]), int(self.ends[lines[i]])):
                 to_python[i] = True
 
         numbers = self.first + lines
@@ -676,22 +798,27 @@ class _Block:
         good = ~problem & ~to_python
         if not good.any():
             return
-        take = pa.array(np.flatnonzero(good))
+        kept = np.flatnonzero(good)
+        take = None if len(kept) == n else pa.array(kept)  # all rows (the usual case): no copy of the texts
+
+        def pick(values: pa.Array) -> pa.Array:
+            return values if take is None else values.take(take)
+
         locators = None
         path = column_values.get("path")
         if path is None or path.null_count:
             locators = pa.array([f"{self.label}:{k}" for k in numbers[good].tolist()], pa.string())
-        good_path = path.take(take) if path is not None else None
+        good_path = pick(path) if path is not None else None
         documents = {
-            "id": ids.take(take),
-            "text": text.take(take),
-            "kind": _given(column_values, "kind", take),
-            "lang": _given(column_values, "lang", take),
-            "source": pc.fill_null(column_values["source"].take(take), self.unit.source)
-            if "source" in column_values else pa.array([self.unit.source] * len(take), pa.string()),
+            "id": pick(ids),
+            "text": pick(text),
+            "kind": pick(column_values["kind"]) if "kind" in column_values else pa.nulls(len(kept), pa.string()),
+            "lang": pick(column_values["lang"]) if "lang" in column_values else pa.nulls(len(kept), pa.string()),
+            "source": pc.fill_null(pick(column_values["source"]), self.unit.source)
+            if "source" in column_values else pa.array([self.unit.source] * len(kept), pa.string()),
             "path": good_path if locators is None else (pc.coalesce(good_path, locators) if good_path is not None else locators),
-            "meta": self._meta(to_meta, np.flatnonzero(good)),
-            "hint": pc.fill_null(good_path, "") if good_path is not None else pa.array([""] * len(take), pa.string()),
+            "meta": self._meta(to_meta, kept),
+            "hint": pc.fill_null(good_path, "") if good_path is not None else pa.array([""] * len(kept), pa.string()),
         }
         self.docs.append((lines[good], documents))
 
@@ -747,10 +874,10 @@ class _Block:
             order.append(np.array([d.number - self.first for d in parsed], np.int64))
         if not parts:
             return
-        columns = {name: pa.concat_arrays([p[name] for p in parts]) for name in parts[0]}
+        columns = parts[0]  # one part (a clean block): no copy
         if len(parts) > 1:
             take = pa.array(np.argsort(np.concatenate(order), kind="stable"))
-            columns = {name: values.take(take) for name, values in columns.items()}
+            columns = {name: pa.concat_arrays([p[name] for p in parts]).take(take) for name in parts[0]}
         columns["kind"], columns["lang"] = detect_kind_and_lang(columns["text"], columns["hint"], columns["kind"], columns["lang"])
         self.batch = pa.RecordBatch.from_arrays([columns[name] for name in DOCUMENT_SCHEMA.names], schema=DOCUMENT_SCHEMA)
 
@@ -778,7 +905,7 @@ def detect_kind_and_lang(texts: pa.Array, hints: pa.Array, kinds: pa.Array, lang
         return kinds, langs
     rows = pa.array(np.flatnonzero(missing))
     heads = pc.utf8_slice_codeunits(texts.take(rows) if len(rows) < len(texts) else texts, 0, languages.SNIFF_CHARS)
-    found_kinds, found_langs = languages.classify_batch(heads, hints.take(rows))
+    found_kinds, found_langs = languages.classify_batch(heads, hints.take(rows), heads=True)
     if len(rows) < len(texts):
         positions = np.full(len(texts), -1, np.int64)
         positions[missing] = np.arange(len(rows))
@@ -796,10 +923,6 @@ def _np(array: pa.Array) -> np.ndarray:
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-
-
-def _given(columns: dict[str, pa.Array], name: str, take: pa.Array) -> pa.Array:
-    return columns[name].take(take) if name in columns else pa.nulls(len(take), pa.string())
 
 
 def _has_nul(text: pa.Array) -> np.ndarray:
@@ -826,6 +949,25 @@ def _is_utf8(data: bytes) -> bool:
     except pa.ArrowInvalid:
         return False
     return True
+
+
+def _row_depth(schema: pa.Schema) -> int:
+    """How deep a row of this schema can nest, as `_depth` counts it (the row is one level).
+
+    Inference gives each list and object of a value a list or struct level of
+    the type, so no row nests deeper than this. Without recursion: the type
+    may be as deep as ARROW_MAX_DEPTH.
+    """
+    deepest, stack = 1, [(field.type, 1) for field in schema]
+    while stack:
+        t, above = stack.pop()
+        if pa.types.is_struct(t):
+            deepest = max(deepest, above + 1)
+            stack.extend((field.type, above + 1) for field in t)
+        elif pa.types.is_list(t) or pa.types.is_large_list(t):
+            deepest = max(deepest, above + 1)
+            stack.append((t.value_type, above + 1))
+    return deepest
 
 
 def _has_timestamp(schema_or_type) -> bool:
