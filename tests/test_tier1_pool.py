@@ -337,30 +337,38 @@ def test_fresh2_reads_no_file_of_the_earlier_sets():
 # --- fresh set 3 --------------------------------------------------------------------------
 
 
+def _check_fresh_manifest(rows: list[dict], labels_by_kind: dict, *, good: int, junk: int, good_kinds: int,
+                          junk_kinds: int) -> None:
+    """What every fresh set's manifest must hold: 300+ documents, each locator and text once, enough good and
+    junk documents and kinds, and every kind judged by the plain-text files' rules."""
+    from filters.heuristics import rules_for
+
+    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
+    assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
+    labels = [r["label"] for r in rows]
+    assert labels.count("good") >= good and labels.count("junk") >= junk
+    assert len({r["kind"] for r in rows if r["label"] == "good"}) >= good_kinds
+    assert len({r["kind"] for r in rows if r["label"] == "junk"}) >= junk_kinds
+    static = Params().static
+    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
+               for k in labels_by_kind)
+
+
 def test_fresh3_labels_are_by_provenance_only_and_the_manifest_says_so():
     """The committed manifest (written before any score) labels each document by its kind alone (good
     kinds take only texts over the length floor); nothing else about the text."""
     from assay.quality.fresh import FRESH_LABELS
     from assay.quality.fresh2 import FRESH2_LABELS
     from assay.quality.fresh3 import FRESH3_LABELS, KINDS, MANIFEST, RULES, label_of, read_manifest
-    from filters.heuristics import rules_for
 
     assert set(FRESH3_LABELS) == set(KINDS) == set(RULES)
     assert not set(FRESH3_LABELS) & (set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(POOL_SOURCES))
     rows = read_manifest(MANIFEST)
-    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
-    assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
     names = {GOOD: "good", JUNK: "junk", UNLABELLED: "unlabelled"}
     for row in rows:
         assert row["label"] == names[FRESH3_LABELS[row["kind"]]] == names[label_of(row["kind"], "x" * int(row["chars"]))]
         assert row["rule"] == RULES[row["kind"]]
-    labels = [r["label"] for r in rows]
-    assert labels.count("good") >= 100 and labels.count("junk") >= 200
-    assert len({r["kind"] for r in rows if r["label"] == "good"}) >= 4
-    assert len({r["kind"] for r in rows if r["label"] == "junk"}) >= 6
-    static = Params().static
-    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
-               for k in FRESH3_LABELS)
+    _check_fresh_manifest(rows, FRESH3_LABELS, good=100, junk=200, good_kinds=4, junk_kinds=6)
 
 
 def test_fresh3_is_disjoint_from_the_earlier_sets():
@@ -411,26 +419,17 @@ def test_fresh4_labels_are_by_provenance_only_and_the_manifest_says_so():
     from assay.quality.fresh2 import FRESH2_LABELS
     from assay.quality.fresh3 import FRESH3_LABELS
     from assay.quality.fresh4 import FRESH4_LABELS, KINDS, MANIFEST, RULES, read_manifest
-    from filters.heuristics import rules_for
 
     assert set(FRESH4_LABELS) == set(KINDS) == set(RULES)
     earlier = set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(FRESH3_LABELS) | set(POOL_SOURCES)
     assert not set(FRESH4_LABELS) & earlier
     rows = read_manifest(MANIFEST)
-    assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
-    assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
     names = {GOOD: "good", JUNK: "junk"}
     for row in rows:
         assert row["label"] == names[FRESH4_LABELS[row["kind"]]] and row["rule"] == RULES[row["kind"]]
         if row["label"] == "good":
             assert int(row["chars"]) >= MIN_GOOD_CHARS
-    labels = [r["label"] for r in rows]
-    assert labels.count("good") >= 150 and labels.count("junk") >= 250
-    assert len({r["kind"] for r in rows if r["label"] == "good"}) >= 5
-    assert len({r["kind"] for r in rows if r["label"] == "junk"}) >= 8
-    static = Params().static
-    assert all(rules_for(k, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
-               for k in FRESH4_LABELS)
+    _check_fresh_manifest(rows, FRESH4_LABELS, good=150, junk=250, good_kinds=5, junk_kinds=8)
 
 
 def test_fresh4_is_disjoint_from_the_earlier_sets():
