@@ -98,17 +98,15 @@ def test_stage_peaks_are_bounded_and_do_not_grow_with_the_corpus(tmp_path, prefe
     once, five = runs
     added = five["corpus"]["text_bytes"] - once["corpus"]["text_bytes"]
     print({n: {s: _settled(r) // MIB for s, r in run["stages"].items()} for n, run in zip((1, 5), runs)})
-    # Ingest is left out of the growth check: with the JSONL reader's worker threads its peak grew with the files
-    # (266 -> 334 MiB at 5 -> 25 files); on the reading thread, now the default, 257 -> 268, too near the allowance
-    # under CI load (RELIABILITY.md); its bound is checked above. So is domain:
-    # in a loaded CI run its clean growth was +21 MiB peak / +38 settled, as large as a deliberate leak's
-    # (+23 / +29), so the check cannot tell them apart there; static's leak signal (+35 / +42) stands clear.
+    # Growth is checked on what is still resident in the last fifth of the run, not on the peak. The peak is set
+    # by the largest document's transient work, which can hide what a stage keeps, and it moves with the machine's
+    # load: in a loaded CI run static's clean peak grew +27 MiB (906 -> 933) while its settled size grew +1, and a
+    # stage that keeps its input grew +35 peak / +42 settled (RELIABILITY.md). So the peak is only bounded, above.
+    # Ingest is left out: on the reading thread, its default, it settled +11 MiB here, too near the allowance
+    # under CI load. So is domain: in a loaded CI run its clean growth was +38 MiB settled, as large as a
+    # deliberate leak's (+29), so the check cannot tell them apart there; static's (+1 clean, +42 leak) can.
     for stage in ("static",):
         # Holding its input, even as Arrow (its smallest form), a stage would grow by `added` (40 MB) or more.
-        # The peak is set by the largest document's transient work, which can hide what a stage keeps; what is
-        # still resident in the last fifth of the run is not.
-        growth = five["stages"][stage]["vmhwm"] - once["stages"][stage]["vmhwm"]
-        assert growth < added / 2, (stage, growth // MIB, added // MIB)
         kept = _settled(five["stages"][stage]) - _settled(once["stages"][stage])
         assert kept < added / 2, (stage, kept // MIB, added // MIB)
 

@@ -485,6 +485,46 @@ def test_shape_features_are_the_heuristics_statistics():
         head_features(texts, 64, True, ["alpha_words_frac"])
 
 
+def test_shape_features_reuse_the_stage_heuristics_scores_only_when_configured_alike():
+    """The static stage hands the head the scores its heuristics computed: the features equal a full
+    recomputation, rows a filter did not judge (NaN: code, another source's rules) are recomputed, the given
+    values are really read, and a filter configured otherwise (a threshold, the markup step) is not reused."""
+    import pyarrow.compute as pc
+
+    from assay.config import GopherQualityParams, HeuristicsParams
+    from assay.quality.features import SHAPE_FEATURES, reusable_filters, shape_features
+    from filters.gopher import GopherQualityFilter
+    from filters.heuristics import apply_by_source, build_heuristics
+
+    texts = [SHAPE_PROSE, SHAPE_TABLE, SHAPE_CONFIG, "", "def f(x):\n    return x\n", SHAPE_PROSE + "\v\u00a0ünï ✓\u2003"]
+    batch = pa.record_batch({"text": pa.array(texts, pa.large_string()),
+                             "kind": pa.array(["text", "text", "text", "text", "code", "text"]),
+                             "source": pa.array(["a", "a", "b", "a", "a", "a"])})
+    filters = build_heuristics(HeuristicsParams())  # markup on, as the head's
+    assert reusable_filters(filters, markup=True) == ["gopher_repetition", "gopher_quality", "records"]
+    assert reusable_filters(filters, markup=False) == ["records"]  # the markup step changes the Gopher words
+    stricter = GopherQualityFilter(dataclasses.replace(GopherQualityParams(), min_stop_words=3), markup=True)
+    assert reusable_filters([stricter], markup=True) == []
+
+    # Source b is judged by the records rule alone: its Gopher scores are NaN, the code row's all are.
+    scores = apply_by_source(filters, batch, {"b": ["records"]}).scores
+    assert np.isnan(scores["gopher_quality:stop_words"][[2, 4]]).all()
+    fresh = shape_features(texts, markup=True)
+    assert np.array_equal(shape_features(texts, markup=True, known=scores), fresh)
+    # The given values are what the features read (so the stage's work is not redone).
+    altered = dict(scores, **{"gopher_quality:stop_words": np.where(np.arange(6) == 1, 8.0, scores["gopher_quality:stop_words"])})
+    column = SHAPE_FEATURES.index("stop_words")
+    got = shape_features(texts, markup=True, known=altered)
+    assert fresh[1, column] == 0.0 and got[1, column] == 1.0
+    assert np.array_equal(np.delete(got, 1, axis=0), np.delete(fresh, 1, axis=0))
+    # The letter share: letters (\pL) among visible (\S) characters, as RE2 counts them.
+    array = pa.array(texts, pa.large_string())
+    letters = np.asarray(pc.count_substring_regex(array, pattern=r"\pL"), dtype=float)
+    visible = np.asarray(pc.count_substring_regex(array, pattern=r"\S"), dtype=float)
+    expected = np.divide(letters, visible, out=np.zeros(6), where=visible > 0).astype(np.float32)
+    assert np.array_equal(fresh[:, SHAPE_FEATURES.index("letter_frac")], expected)
+
+
 def test_a_shape_head_scores_with_its_features_and_old_heads_read_words_only(tmp_path):
     """A head saved with shape features scores with them (the scorer rebuilds the same input); a head
     saved before they existed has no `shape` key and reads words only; the scale must be positive."""

@@ -12,6 +12,7 @@ Two kinds of model, chosen in params.yaml:
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -23,14 +24,20 @@ from assay.devices import pick_device
 from assay.encoder import CHARS_PER_TOKEN_BOUND, length_sorted_batches, use_bf16
 from assay.errors import AssayError
 from assay.quality.calibration import Platt
-from assay.quality.features import head_features
+from assay.quality.features import head_features, reusable_filters
 from assay.quality.head import FINETUNED_ENCODER, load_head
+from filters.base import Filter
 
 
 class Scorer(Protocol):
     name: str
 
-    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray: ...
+    def reusable(self, filters: Sequence[Filter]) -> list[str]:
+        """The names of the heuristic `filters` whose scores `score(known=)` can use instead of recomputing."""
+        ...
+
+    def score(self, texts: list[str], embeddings: np.ndarray,
+              known: Mapping[str, np.ndarray] | None = None) -> np.ndarray: ...
 
 
 class HeadScorer:
@@ -46,9 +53,15 @@ class HeadScorer:
     def needs_embeddings(self) -> bool:
         return self.config.features != FEATURES_WORDS
 
-    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+    def reusable(self, filters: Sequence[Filter]) -> list[str]:
+        # Only the shape features read heuristics' statistics.
+        return reusable_filters(filters, self.config.markup) if self.config.shape else []
+
+    def score(self, texts: list[str], embeddings: np.ndarray,
+              known: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
+        """`known`: the scores of `reusable` filters for these texts, by score name (see `shape_features`)."""
         c = self.config
-        features = (head_features(texts, c.dim - len(c.shape), c.markup, c.shape, c.shape_scale)
+        features = (head_features(texts, c.dim - len(c.shape), c.markup, c.shape, c.shape_scale, known)
                     if c.features == FEATURES_WORDS else embeddings)
         logits = self.head.logits(features)
         if self.calibration is not None:
@@ -91,7 +104,11 @@ class SequenceClassifierScorer:
         self.name = f"classifier:{model}"
         self._lock = threading.Lock()
 
-    def score(self, texts: list[str], embeddings: np.ndarray) -> np.ndarray:
+    def reusable(self, filters: Sequence[Filter]) -> list[str]:
+        return []
+
+    def score(self, texts: list[str], embeddings: np.ndarray,
+              known: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         out = np.zeros(len(texts), dtype=np.float64)
         if not texts:
             return out

@@ -47,6 +47,8 @@ class StaticModels:
     heuristics: list[Filter]
     encoder: Encoder
     scorer: Scorer
+    #: Names of the heuristics whose scores the scorer reads instead of recomputing them (`Scorer.reusable`).
+    shared: list[str]
 
 
 _MODELS: dict[str, StaticModels] = {}
@@ -61,7 +63,8 @@ def load_models(params: StaticParams) -> StaticModels:
             heuristics = build_heuristics(params.heuristics)
             check_source_rules(heuristics, params.source_rules)  # a bad choice fails before any model loads
             encoder = shared_encoder(encoder_for(params))
-            _MODELS[key] = StaticModels(heuristics, encoder, build_scorer(params))
+            scorer = build_scorer(params)
+            _MODELS[key] = StaticModels(heuristics, encoder, scorer, scorer.reusable(heuristics))
         return _MODELS[key]
 
 
@@ -89,7 +92,8 @@ def judge_batch(batch: pa.RecordBatch, params: StaticParams, models: StaticModel
     scored = [j for j, i in enumerate(survivors) if is_text[i]]
     if scored:
         rows = survivors[scored]
-        quality[rows] = models.scorer.score([survivor_texts[j] for j in scored], embeddings[scored])
+        known = {k: v[rows] for k, v in scores.items() if k.split(":", 1)[0] in models.shared}
+        quality[rows] = models.scorer.score([survivor_texts[j] for j in scored], embeddings[scored], known)
         low = rows[quality[rows] < params.threshold]
         keep[low] = False
         for i in low:
