@@ -609,6 +609,10 @@ class TrainParallelParams:
     pp_memory_cap_mb: float | None = None
 
 
+#: `train.precision`'s choices (training/precision.py says what each runs in).
+TRAIN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_fp16")
+
+
 @dataclass
 class TrainParams:
     """`assay train` (DVC stage train): a decoder LM on an exact dataset version."""
@@ -626,8 +630,12 @@ class TrainParams:
     warmup_steps: int = 30
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    #: "fp32" | "bf16" (autocast) | "fp8" (Float8Linear: DeepSeek-V3 fine-grained scaling, with bf16 autocast)
+    #: "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling) | "fp8" (Float8Linear: DeepSeek-V3
+    #: fine-grained scaling, the rest and the backward under bf16 autocast) | "fp8_fp16" (fp8 with fp16 instead of
+    #: bf16, and loss scaling); see training/precision.py
     precision: str = "fp32"
+    #: fp16 precisions: the loss scale to start from (torch.amp.GradScaler's default, 2^16).
+    loss_scale_init: float = 65536.0
     #: Documents held out (by a hash of their id, stable across versions) for validation.
     holdout: float = 0.05
     #: Validation rows scored at the end (0 = all).
@@ -639,8 +647,10 @@ class TrainParams:
     parallel: TrainParallelParams = field(default_factory=TrainParallelParams)
 
     def __post_init__(self) -> None:
-        if self.precision not in ("fp32", "bf16", "fp8"):
-            raise AssayError(f"train.precision must be fp32, bf16 or fp8, not {self.precision!r}")
+        if self.precision not in TRAIN_PRECISIONS:
+            raise AssayError(f"train.precision must be one of {', '.join(TRAIN_PRECISIONS)}, not {self.precision!r}")
+        if not self.loss_scale_init > 0:
+            raise AssayError(f"train.loss_scale_init must be > 0, not {self.loss_scale_init}")
         if self.telemetry.grad_norms not in ("ghost", "off"):
             raise AssayError(f"train.telemetry.grad_norms must be ghost or off, not {self.telemetry.grad_norms!r}")
         if not 0.0 <= self.holdout < 1.0:

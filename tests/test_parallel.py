@@ -116,6 +116,10 @@ def _history(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "history.jsonl").read_text().splitlines()]
 
 
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+
+
 def _final_params(run: Path, params_file: Path) -> dict[str, torch.Tensor]:
     params = load_params(params_file).train
     from training.tokenizer import load_tokenizer
@@ -175,6 +179,43 @@ def test_bf16_under_fsdp_trains_like_one_process_in_bf16(workspace, tmp_path):
     _torchrun(2, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
                   "--parallel", json.dumps({"dp_shard": 2})], module="training.parallel.worker")
     assert _history(run) == pytest.approx(_history(single), rel=2e-2)
+
+
+@pytest.mark.parametrize("layout", [{"dp_replicate": 2, "dp_shard": 1}, {"dp_shard": 2}, {"tp": 2}],
+                         ids=["ddp-2", "fsdp-2", "tp-2"])
+def test_fp16_loss_scaling_agrees_across_ranks_and_trains_like_one_process(workspace, tmp_path, layout):
+    """fp16 with dynamic loss scaling from a scale too large for fp16: every rank must see the same overflows
+    (DDP's gradients are all-reduced; FSDP's and TP's are DTensors, whose inf check torch reduces over the
+    mesh), so the skipped steps and the scale are one process's exactly, and the losses agree to fp16's
+    precision (each layout sums in another order)."""
+    root, data, _, _ = workspace
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"train": {**TINY, "steps": 8, "checkpoint_every": 8,
+                                                     "precision": "fp16", "loss_scale_init": 2.0**24}}))
+    single = tmp_path / "single"
+    train(open_version(data), single, load_params(params_file).train, progress=False)
+    run = tmp_path / "run"
+    _torchrun(2, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
+                  "--parallel", json.dumps(layout)], module="training.parallel.worker")
+    mine, theirs = _records(run), _records(single)
+    assert [(r["skipped"], r["loss_scale"]) for r in mine] == [(r["skipped"], r["loss_scale"]) for r in theirs]
+    assert 2 <= sum(r["skipped"] == "overflow:loss_scale" for r in theirs) < 8
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-3)
+
+
+def test_fp16_is_refused_with_pp_and_ep():
+    from training.parallel.distributed import Distributed
+    from training.parallel.setup import Parallel
+
+    import dataclasses
+
+    base = load_params(None).train
+    world = Distributed(rank=0, world_size=2, local_rank=0)
+    for dims in ({"pp": 2, "dp_shard": 1}, {"ep": 2}):
+        params = dataclasses.replace(base, precision="fp16", parallel=dataclasses.replace(base.parallel, **dims))
+        with pytest.raises(AssayError, match="loss scaling"):
+            Parallel.setup(params, world)
+        Parallel.setup(dataclasses.replace(params, precision="bf16"), world)  # the layout itself is fine
 
 
 def test_a_run_saved_on_four_ranks_resumes_on_two(workspace, tmp_path):

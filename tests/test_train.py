@@ -214,7 +214,7 @@ def test_a_finished_run_is_not_redone_and_a_used_out_is_not_clobbered(stdlib_dat
         train(open_version(stdlib_data), tmp_path / "empty", params, resume=True, progress=False)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8", "fp8_fp16"])
 def test_reduced_precision_trains(stdlib_data, tmp_path, precision):
     result = train(open_version(stdlib_data), tmp_path / precision, tiny_params(steps=10, precision=precision),
                    progress=False)
@@ -222,6 +222,52 @@ def test_reduced_precision_trains(stdlib_data, tmp_path, precision):
     assert np.isfinite([h["loss"] for h in history]).all()
     assert history[-1]["loss"] < history[0]["loss"]
     assert result.metrics["precision"] == precision
+
+
+def test_fp16_overflows_skip_the_step_halve_the_scale_blame_no_document_and_resume_exactly(stdlib_data, tmp_path):
+    """fp16 with dynamic loss scaling (torch.amp.GradScaler), started at a scale too large for fp16:
+    each overflowing step is skipped without touching the model and halves the scale, until gradients fit;
+    the steps are `overflow:loss_scale`, not `skipped_step:` (tier 2 does not read them as evidence against
+    their documents, whose gradient norms are unknown, not infinite); the scale is in the checkpoint."""
+    from filters.dynamic import _telemetry_signals
+    from training.trainer import OVERFLOW
+
+    params = tiny_params(steps=12, checkpoint_every=4, precision="fp16", loss_scale_init=2.0**24)
+    train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+    history = _history(tmp_path / "run")
+    overflows = [h["step"] for h in history if h["skipped"] == OVERFLOW]
+    assert overflows == list(range(1, len(overflows) + 1)) and 2 <= len(overflows) < 12
+    assert [h["loss_scale"] for h in history] == [2.0**24 / 2 ** min(s, len(overflows)) for s in range(1, 13)]
+    # A skipped step leaves the model as it was: until the first applied step, every loss is the initial
+    # model's, which a run at learning rate 0 (AdamW's decay is lr * wd: nothing moves) reproduces bit for bit.
+    frozen = train(open_version(stdlib_data), tmp_path / "frozen", tiny_params(steps=12, precision="fp16", lr=0.0),
+                   progress=False)
+    assert frozen.metrics["skipped_steps"] == 0
+    still = _history(tmp_path / "frozen")
+    first_applied = len(overflows) + 1
+    assert [h["loss"] for h in history[:first_applied]] == [h["loss"] for h in still[:first_applied]]
+    assert history[first_applied]["loss"] != still[first_applied]["loss"]
+
+    telemetry = read_telemetry(tmp_path / "run")
+    steps = np.asarray(telemetry.column("step").to_pylist())
+    reasons = telemetry.column("reason").to_pylist()
+    norms = np.asarray(telemetry.column("grad_norm").to_pylist(), dtype=float)
+    at_overflow = np.isin(steps, overflows)
+    assert {reasons[i] for i in np.flatnonzero(at_overflow)} == {OVERFLOW}
+    assert np.isnan(norms[at_overflow]).all() and np.isfinite(norms[~at_overflow]).all()
+    signals = _telemetry_signals(telemetry, anomaly_z=3.5, min_gap=1)
+    assert not signals["skipped_draws"].any() and not signals["non_finite"].any()
+
+    # Rolled back to step 4 (the scale halved four times) and resumed: the uninterrupted run's numbers.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run", resumed)
+    for later in ("step-00000008", "step-00000012"):
+        shutil.rmtree(resumed / "checkpoints" / later)
+    (resumed / "checkpoints" / "latest").write_text("step-00000004\n")
+    (resumed / "metrics.json").unlink()
+    result = train(open_version(stdlib_data), resumed, params, resume=True, progress=False)
+    assert result.resumed_from == 4
+    assert _history(resumed) == history
 
 
 def test_sparse_attention_and_moe_train_with_balanced_routing(stdlib_data, tmp_path):

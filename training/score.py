@@ -69,7 +69,8 @@ from training.data import TokenRows, build_rows, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import Transformer
 from training.tokenizer import TOKENIZER_FILE, load_tokenizer
-from training.trainer import build_model, precision_context
+from training.precision import precision_context, without_loss_scaling
+from training.trainer import build_model
 
 __all__ = ["REFERENCE_FILE", "adam_preconditioner", "read_scores", "score_dataset", "select_reference"]
 
@@ -280,7 +281,7 @@ def _resolve_checkpoints(run_dir: Path, wanted: list[int | str]) -> list[_Checkp
 
 def _train_params(state: dict) -> TrainParams:
     return TrainParams(model=TrainModelParams(**state["model_args"]), seq_len=int(state["seq_len"]),
-                       precision=state.get("precision", "fp32"))
+                       precision=without_loss_scaling(state.get("precision", "fp32")))
 
 
 def load_model(checkpoint: Path, state: dict, vocab_size: int, device: torch.device) -> Transformer:
@@ -539,7 +540,8 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
     n_blocks = max(1, math.ceil(len(docs) / params.part_docs))
     dev = pick_device(device or params.device)
     state0 = checkpoints[0].state
-    seq_len, precision = int(state0["seq_len"]), state0.get("precision", "fp32")
+    # The pass has no loss scaler: an fp16 run's model is scored in fp32 (fp8_fp16's in fp8 with bf16).
+    seq_len, precision = int(state0["seq_len"]), without_loss_scaling(state0.get("precision", "fp32"))
     vocab = tokenizer.get_vocab_size()
     strata_names = sorted(set(docs.stratum))
     stratum_index = {s: k for k, s in enumerate(strata_names)}

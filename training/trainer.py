@@ -11,9 +11,10 @@ One run directory holds everything a run makes::
     profile/             a torch.profiler trace, with --profile
 
 The step loop, in order: batch of step s (a pure function of the seed and s) →
-forward + backward with per-document losses and gradient norms → OLMo's spike
+forward + backward with per-document losses and gradient norms (on the loss
+times the loss scale under fp16, `training.precision`) → unscale → OLMo's spike
 check on loss and gradient norm → optimizer step (or skip, flagging the
-step's documents) → MoE bias update. Everything that decides the next step is
+step's documents; an fp16 overflow skips without blaming them) → MoE bias update. Everything that decides the next step is
 in the checkpoint, so "100 steps" and "50 steps, kill -9, resume, 50 more"
 give the same numbers on CPU.
 """
@@ -47,6 +48,7 @@ from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.parallel.distributed import init_distributed
 from training.parallel.setup import Parallel
+from training.precision import loss_scaler, precision_context, uses_fp8
 from training.spikes import SpikeDetector
 from training.telemetry import TelemetryLog
 from training.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -121,7 +123,7 @@ def build_model(params: TrainParams, vocab_size: int, device: torch.device) -> T
     args = ModelArgs(vocab_size=vocab_size, max_seq_len=params.seq_len, **dataclasses.asdict(params.model))
     with torch.device("meta"):
         model = Transformer(args)
-    if params.precision == "fp8":
+    if uses_fp8(params.precision):
         from training.fp8 import convert_to_float8
 
         convert_to_float8(model)
@@ -152,13 +154,6 @@ def learning_rate(step: int, params: TrainParams) -> float:
     progress = min(1.0, (step - params.warmup_steps) / span)
     floor = params.lr * params.min_lr_ratio
     return floor + (params.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """fp8 runs its converted Linears in float8 and the rest under bf16 autocast (DeepSeek-V3)."""
-    if precision in ("bf16", "fp8"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- per-step math
@@ -263,6 +258,26 @@ def _write_history(out: Path, history: list[dict]) -> None:
     atomic_write_bytes(out / HISTORY_FILE, "".join(json.dumps(r) + "\n" for r in history).encode())
 
 
+def _scaler_tensors(scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
+    """The loss scaler's state as checkpoint tensors (none when it is disabled: other runs' checkpoints
+    keep their layout)."""
+    if not scaler.is_enabled():
+        return {}
+    state = scaler.state_dict()
+    return {"loss_scale": torch.tensor(state["scale"], dtype=torch.float64),
+            "loss_scale_growth_tracker": torch.tensor(state["_growth_tracker"], dtype=torch.int64)}
+
+
+def _restore_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tensor]) -> None:
+    if scaler.is_enabled():
+        scaler.load_state_dict({**scaler.state_dict(), "scale": float(tensors["loss_scale"]),
+                                "_growth_tracker": int(tensors["loss_scale_growth_tracker"])})
+
+
+#: A step skipped because the fp16 loss scale overflowed (the scaler halves it), not for its documents.
+OVERFLOW = "overflow:loss_scale"
+
+
 # ------------------------------------------------------------------- the run
 def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resume: bool = False,
           overwrite: bool = False, allow_data_change: bool = False, device: str | None = None,
@@ -300,14 +315,20 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
 
     spikes = SpikeDetector(params.telemetry.spike_window, params.telemetry.spike_sigma,
                            params.telemetry.spike_min_history)
+    scaler = loss_scaler(params.precision, dev, params.loss_scale_init)
+    if scaler.is_enabled():
+        # The backward multiplies by get_scale() inside forward_backward (the ghost norms must divide the
+        # same factor out); scale() once creates the scaler's tensors, which unscale_ requires.
+        scaler.scale(torch.ones((), device=dev))
     rng = {"torch_rng": torch.get_rng_state()}
-    tensors = {**spikes.state_tensors(), **rng}
+    tensors = {**spikes.state_tensors(), **rng, **_scaler_tensors(scaler)}
 
     start, history = 0, []
     telemetry = TelemetryLog(out, rank=world.rank if world.distributed else None)
     if checkpoint is not None:
         state = par.load_checkpoint(checkpoint, model, optimizer, tensors, plain_optimizer)
         torch.set_rng_state(tensors["torch_rng"])
+        _restore_scaler(scaler, tensors)
         start = state["step"]
         history = _read_history(out, start)
         world.on_main(lambda: telemetry.truncate_after(start))
@@ -323,6 +344,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         telemetry.flush()
         world.on_main(lambda: _write_history(out, history))
         tensors["torch_rng"] = torch.get_rng_state()
+        tensors.update(_scaler_tensors(scaler))
         par.save_checkpoint(out, step, model, optimizer, tensors, identity, plain_optimizer)
 
     profiler = _profiler(out) if profile else None
@@ -343,15 +365,23 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
                     loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens)
                 else:
-                    loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, local.loss_scale)
+                    # fp16: the backward runs on the loss times the scaler's scale (1 when disabled).
+                    scale = local.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
+                    loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, scale)
             doc_loss, doc_tokens = par.document_losses(doc_loss, doc_tokens)
             loss = par.global_loss(loss, batch.n_tokens, local.global_tokens)
             par.sum_moe_loads(model, local.has_documents)
+            scaler.unscale_(optimizer)  # gradients as without scaling, before clipping and the step
             grad_norm = par.clip_grad_norm(model, params.grad_clip)
             loss_value = float(loss)
             spike = spikes.check([loss_value, grad_norm])
             reason = None
-            if not math.isfinite(loss_value) or not math.isfinite(grad_norm):
+            if scaler.is_enabled() and math.isfinite(loss_value) and not math.isfinite(grad_norm):
+                # The scale was too large for fp16, not the documents wrong: the scaler halves it. Not a
+                # `skipped_step:` reason, which tier 2 reads as evidence against the step's documents.
+                reason = OVERFLOW
+                doc_norm = None if doc_norm is None else torch.full_like(doc_norm, float("nan"))
+            elif not math.isfinite(loss_value) or not math.isfinite(grad_norm):
                 reason = "skipped_step:non_finite"
             elif spike[0]:
                 reason = "skipped_step:loss_spike"
@@ -359,7 +389,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 reason = "skipped_step:grad_norm_spike"
             moe_load = None
             if reason is None:
-                optimizer.step()
+                scaler.step(optimizer)  # optimizer.step(); the scaler only skips it on an overflow
                 if memory is None:  # after the first step, when the optimizer state exists
                     memory = par.memory_per_rank(model, optimizer)
                 spikes.accept([loss_value, grad_norm])
@@ -368,6 +398,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
             else:
                 for moe in model.moe_layers():  # a skipped step's routing counts are dropped too
                     moe.tokens_per_expert.zero_()
+            scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
             if local.has_documents and par.writes_telemetry:
@@ -379,6 +410,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                       "tokens": local.global_tokens, "skipped": reason}
             if moe_load is not None:
                 record["moe_max_over_mean"] = moe_load
+            if scaler.is_enabled():
+                record["loss_scale"] = scaler.get_scale()
             history.append(record)
             elapsed = time.perf_counter() - t0
             advance(step, loss_value, lr, tokens_seen / max(elapsed, 1e-9))

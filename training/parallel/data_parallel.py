@@ -26,18 +26,19 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from training.parallel.dims import ParallelDims
+from training.precision import autocast_dtype
 
 __all__ = ["apply_data_parallel", "mixed_precision_policy", "zero1_optimizer"]
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
-    """bf16 compute with fp32 gradient reduction (torchtitan's default); fp32 otherwise.
+    """bf16 (or fp16) compute with fp32 gradient reduction (torchtitan's default); fp32 otherwise.
 
-    FP8 keeps its Linears in float8 and the rest in bf16 autocast, as single-process
+    FP8 keeps its Linears in float8 and the rest in 16-bit autocast, as single-process
     training does, so FSDP gathers its parameters in fp32 and lets the module cast.
     """
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision in ("bf16", "fp16"):
+        return MixedPrecisionPolicy(param_dtype=autocast_dtype(precision), reduce_dtype=torch.float32)
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)
 
 

@@ -522,7 +522,7 @@ class Pipeline:
         """Held-out loss and accuracy through the pipeline's forward, as ``training.trainer.evaluate``
         computes them in one process (results on every rank)."""
         from training.data import make_batch
-        from training.trainer import precision_context
+        from training.precision import precision_context
 
         if len(rows) == 0:
             return {"val_loss": None, "val_accuracy": None, "val_tokens": 0}

@@ -28,6 +28,7 @@ from training.parallel.batches import LocalBatch, local_batch
 from training.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
+from training.precision import scales_loss
 
 __all__ = ["Parallel", "grad_norms_setting"]
 
@@ -88,6 +89,11 @@ class Parallel:
             from training.parallel.pipeline import check_pipeline_layout
 
             check_pipeline_layout(dims, params)
+        if scales_loss(params.precision) and (dims.pp > 1 or dims.ep > 1):
+            # pp's schedules run their own backward, which the loss scale is not threaded into; ep's experts
+            # have plain per-rank gradients, so the scaler's overflow check would not agree across ranks.
+            raise AssayError(f"train.precision {params.precision} (loss scaling) is not supported with "
+                             f"pp or ep yet; use bf16 or fp8 there")
         return cls(world, dims, bool(p.zero1), params.precision, train=params)
 
     @property
