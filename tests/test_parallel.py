@@ -181,12 +181,13 @@ def test_bf16_under_fsdp_trains_like_one_process_in_bf16(workspace, tmp_path):
     assert _history(run) == pytest.approx(_history(single), rel=2e-2)
 
 
-@pytest.mark.parametrize("layout", [{"dp_replicate": 2, "dp_shard": 1}, {"dp_shard": 2}, {"tp": 2}],
-                         ids=["ddp-2", "fsdp-2", "tp-2"])
+@pytest.mark.parametrize("layout", [{"dp_replicate": 2, "dp_shard": 1}, {"dp_replicate": 2, "dp_shard": 1, "zero1": True},
+                                    {"dp_shard": 2}, {"tp": 2}, {"cp": 2}],
+                         ids=["ddp-2", "zero1-2", "fsdp-2", "tp-2", "cp-2"])
 def test_fp16_loss_scaling_agrees_across_ranks_and_trains_like_one_process(workspace, tmp_path, layout):
     """fp16 with dynamic loss scaling from a scale too large for fp16: every rank must see the same overflows
-    (DDP's gradients are all-reduced; FSDP's and TP's are DTensors, whose inf check torch reduces over the
-    mesh), so the skipped steps and the scale are one process's exactly, and the losses agree to fp16's
+    (DDP's and ZeRO-1's gradients are all-reduced; FSDP's, TP's and CP's, which FSDP shards over its
+    dp_shard_cp mesh, are DTensors, whose inf check torch reduces over the mesh), so the skipped steps and the scale are one process's exactly, and the losses agree to fp16's
     precision (each layout sums in another order)."""
     root, data, _, _ = workspace
     params_file = tmp_path / "params.yaml"
