@@ -204,6 +204,42 @@ def test_fp16_loss_scaling_agrees_across_ranks_and_trains_like_one_process(works
     assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-3)
 
 
+MOE_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 2, "ffn_hidden": 64, "ffn": "moe", "n_experts": 4, "moe_topk": 2,
+             "moe_hidden": 32, "moe_bias_gamma": 0.01}
+EVERY_MODE = [
+    pytest.param({"dp_replicate": 2, "dp_shard": 1}, id="ddp"),
+    pytest.param({"dp_replicate": 2, "dp_shard": 1, "zero1": True}, id="zero1"),
+    pytest.param({"dp_shard": 2}, id="fsdp"),
+    pytest.param({"tp": 2}, id="tp"),
+    pytest.param({"pp": 2, "dp_shard": 1, "pp_microbatches": 2}, id="pp"),
+    pytest.param({"cp": 2, "dp_shard": 1}, id="cp"),
+    pytest.param({"dp_shard": 2, "ep": 2}, id="ep"),
+]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("layout", EVERY_MODE)
+def test_bf16_and_fp8_train_in_every_mode_like_one_process(workspace, tmp_path, layout, precision):
+    """Each parallel mode on 2 ranks in bf16 and in fp8 (its Linears' forward GEMMs in float8, the rest in
+    bf16): the 5-step loss curve of one process in the same precision, to bf16's precision (the layouts sum
+    in other orders, and bf16 keeps 8 bits of mantissa)."""
+    root, data, _, _ = workspace
+    train_params = {**TINY, "precision": precision}
+    if "ep" in layout:
+        train_params["model"] = MOE_MODEL
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"train": train_params}))
+    single = tmp_path / "single"
+    train(open_version(data), single, load_params(params_file).train, progress=False)
+    run = tmp_path / "run"
+    _torchrun(2, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
+                  "--parallel", json.dumps(layout)], module="training.parallel.worker")
+    mine, theirs = _records(run), _records(single)
+    assert [r["skipped"] for r in mine] == [r["skipped"] for r in theirs] == [None] * STEPS
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-2)
+    assert json.loads((run / "metrics.json").read_text())["precision"] == precision
+
+
 def test_fp16_is_refused_with_pp_and_ep():
     from training.parallel.distributed import Distributed
     from training.parallel.setup import Parallel
