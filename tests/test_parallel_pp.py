@@ -205,8 +205,7 @@ def test_pipeline_layouts_that_cannot_run_are_refused():
     with pytest.raises(AssayError, match="pp_dynamic runs with pp alone"):
         check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), bad(pp_dynamic=True))
     check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), bad(pp_dynamic=True))
-    with pytest.raises(AssayError, match="HSDP × PP"):
-        check_pipeline_layout(ParallelDims(dp_replicate=2, dp_shard=2, pp=2, world_size=8), params)
+    check_pipeline_layout(ParallelDims(dp_replicate=2, dp_shard=2, pp=2, world_size=8), params)  # HSDP × PP (below)
     moe = type(params)(**{**params.__dict__, "model": type(params.model)(**{**params.model.__dict__, "ffn": "moe"})})
     with pytest.raises(AssayError, match="needs dense attention and a dense FFN"):
         check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), moe)
@@ -358,19 +357,20 @@ def _assay_train(args: list[str], timeout: int = 900) -> str:
     return done.stderr
 
 
-DP_PP = [  # (layout, the `assay train` flags that give it; None: launched through the worker module)
-    pytest.param({"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"},
+DP_PP = [  # (ranks, layout, the `assay train` flags that give it; None: launched through the worker module)
+    pytest.param(4, {"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"},
                  ["--dp-shard", "2", "--pp", "2", "--pp-schedule", "1F1B"], id="fsdp2xpp2-1F1B-cli"),
-    pytest.param({"dp_shard": 2, "pp": 2, "pp_schedule": "GPipe"}, None, id="fsdp2xpp2-GPipe"),
-    pytest.param({"dp_replicate": 2, "dp_shard": 1, "pp": 2, "pp_schedule": "1F1B"}, None, id="ddp2xpp2-1F1B"),
+    pytest.param(4, {"dp_shard": 2, "pp": 2, "pp_schedule": "GPipe"}, None, id="fsdp2xpp2-GPipe"),
+    pytest.param(4, {"dp_replicate": 2, "dp_shard": 1, "pp": 2, "pp_schedule": "1F1B"}, None, id="ddp2xpp2-1F1B"),
+    pytest.param(8, {"dp_replicate": 2, "dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"}, None, id="hsdp2x2xpp2-1F1B"),
 ]
 
 
 @pytest.mark.parallel
-@pytest.mark.parametrize("layout,flags", DP_PP)
-def test_dp_times_pp_matches_one_process(workspace, layout, flags, tmp_path):  # noqa: F811
-    """Pipeline stages each wrapped with data parallelism over their dp sub-mesh (FSDP2, or
-    FSDP-style replicate), 4 ranks (pp=2 × dp=2), against one process: step 1's loss and every
+@pytest.mark.parametrize("nproc,layout,flags", DP_PP)
+def test_dp_times_pp_matches_one_process(workspace, nproc, layout, flags, tmp_path):  # noqa: F811
+    """Pipeline stages each wrapped with data parallelism over their dp sub-mesh (FSDP2, HSDP, or
+    FSDP-style replicate), 4 ranks (pp=2 × dp=2) or 8 (pp=2 × 2 replicas × 2 shards), against one process: step 1's loss and every
     gradient (tests/parallel/pp_dp_grads.py, shards and stages gathered), then 5 steps of the real
     trainer: losses (rtol 1e-5), parameters from its DCP checkpoint (atol 2e-5), each document's
     loss (rtol 1e-5; the last stage of each dp rank writes its own documents), gradient norms off
@@ -380,7 +380,7 @@ def test_dp_times_pp_matches_one_process(workspace, layout, flags, tmp_path):  #
 
     root, data, params_file, single = workspace
     grads_file, ref_file = tmp_path / "grads.pt", tmp_path / "ref.pt"
-    _torchrun(4, [str(data), str(single), str(params_file), json.dumps(layout), str(grads_file)],
+    _torchrun(nproc, [str(data), str(single), str(params_file), json.dumps(layout), str(grads_file)],
               script=HERE / "parallel" / "pp_dp_grads.py")
     _torchrun(1, [str(data), str(single), str(params_file), "{}", str(ref_file)],
               script=HERE / "parallel" / "grad_worker.py")
@@ -392,17 +392,18 @@ def test_dp_times_pp_matches_one_process(workspace, layout, flags, tmp_path):  #
 
     run = tmp_path / "run"
     if flags is None:
-        stderr = _torchrun(4, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
-                               "--parallel", json.dumps(layout)], module="training.parallel.worker")
+        stderr = _torchrun(nproc, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
+                                   "--parallel", json.dumps(layout)], module="training.parallel.worker")
     else:
         stderr = _assay_train(["--params", str(params_file), "train", "--data", str(data), "--out", str(run),
-                               "--nproc", "4", *flags])
+                               "--nproc", str(nproc), *flags])
     assert stderr.count("pp: per-document gradient norms are off") == 1
     assert_run_matches_single(run, single, params_file)
     metrics = json.loads((run / "metrics.json").read_text())
     single_metrics = json.loads((single / "metrics.json").read_text())
-    mode = "fsdp+pp" if layout.get("dp_shard", 1) > 1 else "ddp+pp"
-    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["world_size"] == 4
+    fsdp, ddp = layout.get("dp_shard", 1) > 1, layout.get("dp_replicate", 1) > 1
+    mode = ("hsdp+pp" if ddp else "fsdp+pp") if fsdp else "ddp+pp"
+    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["world_size"] == nproc
     assert metrics["parameters"] == single_metrics["parameters"]
     assert metrics["val_loss"] == pytest.approx(single_metrics["val_loss"], rel=1e-5)
 

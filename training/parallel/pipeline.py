@@ -22,10 +22,10 @@ add phantom tokens to MoE routing counts.
 
 DP × PP (torchtitan's): the mesh orders pp outermost, so each pp group is one dp coordinate;
 every block and then each stage's module is wrapped over the dp sub-mesh (FSDP2 over dp_shard,
-FSDP-style ``replicate`` over dp_replicate), each dp rank pipelines its own documents' rows, and
+FSDP-style ``replicate`` over dp_replicate, HSDP over both), each dp rank pipelines its own documents' rows, and
 each micro-batch's loss is dp × its token-loss sum over the whole step's token count (the
-wrappers average over dp). All six schedules; static micro-batches and dense models only, and
-not HSDP × PP (``check_pipeline_layout`` says why).
+wrappers average over dp). All six schedules; static micro-batches and dense models only
+(``check_pipeline_layout`` says why).
 
 Micro-batches: each pass of a plan (training.parallel.microbatch) is one ``schedule.step``
 of equal-shape micro-batches; a stage set (recv buffers of one size) is built per pass
@@ -570,9 +570,6 @@ def check_pipeline_layout(dims, params) -> None:
         raise AssayError(f"parallel: pp combines with data parallel only (dp_shard, dp_replicate), not yet with "
                          f"tp, cp or ep (got {others})")
     p = params.parallel
-    if dims.dp > 1 and dims.ddp and dims.fsdp:
-        raise AssayError("parallel: pp with both dp_replicate and dp_shard (HSDP × PP) is not verified (it needs 8 "
-                         "ranks); use one of them with pp")
     if dims.dp > 1 and p.pp_dynamic:
         # Each dp rank plans its own rows: the plans (passes, micro-batch counts) would differ, and
         # so would the number of FSDP collectives per stage.
