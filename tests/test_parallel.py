@@ -187,18 +187,11 @@ def test_bf16_under_fsdp_trains_like_one_process_in_bf16(workspace, tmp_path):
 def test_fp16_loss_scaling_agrees_across_ranks_and_trains_like_one_process(workspace, tmp_path, layout):
     """fp16 with dynamic loss scaling from a scale too large for fp16: every rank must see the same overflows
     (DDP's and ZeRO-1's gradients are all-reduced; FSDP's, TP's and CP's, which FSDP shards over its
-    dp_shard_cp mesh, are DTensors, whose inf check torch reduces over the mesh), so the skipped steps and the scale are one process's exactly, and the losses agree to fp16's
-    precision (each layout sums in another order)."""
-    root, data, _, _ = workspace
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump({"train": {**TINY, "steps": 8, "checkpoint_every": 8,
-                                                     "precision": "fp16", "loss_scale_init": 2.0**24}}))
-    single = tmp_path / "single"
-    train(open_version(data), single, load_params(params_file).train, progress=False)
-    run = tmp_path / "run"
-    _torchrun(2, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
-                  "--parallel", json.dumps(layout)], module="training.parallel.worker")
-    mine, theirs = _records(run), _records(single)
+    dp_shard_cp mesh, are DTensors, whose inf check torch reduces over the mesh), so the skipped steps and
+    the scale are one process's exactly, and the losses agree to fp16's precision (each layout sums in
+    another order)."""
+    mine, theirs = _two_ranks_and_one(workspace, tmp_path, layout, {**TINY, "steps": 8, "checkpoint_every": 8,
+                                                                     "precision": "fp16", "loss_scale_init": 2.0**24})
     assert [(r["skipped"], r["loss_scale"]) for r in mine] == [(r["skipped"], r["loss_scale"]) for r in theirs]
     assert 2 <= sum(r["skipped"] == "overflow:loss_scale" for r in theirs) < 8
     assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-3)
@@ -223,10 +216,16 @@ def test_bf16_and_fp8_train_in_every_mode_like_one_process(workspace, tmp_path, 
     """Each parallel mode on 2 ranks in bf16 and in fp8 (its Linears' forward GEMMs in float8, the rest in
     bf16): the 5-step loss curve of one process in the same precision, to bf16's precision (the layouts sum
     in other orders, and bf16 keeps 8 bits of mantissa)."""
+    train_params = {**TINY, "precision": precision, **({"model": MOE_MODEL} if "ep" in layout else {})}
+    mine, theirs = _two_ranks_and_one(workspace, tmp_path, layout, train_params)
+    assert [r["skipped"] for r in mine] == [r["skipped"] for r in theirs] == [None] * STEPS
+    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-2)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["precision"] == precision
+
+
+def _two_ranks_and_one(workspace, tmp_path: Path, layout: dict, train_params: dict) -> tuple[list[dict], list[dict]]:
+    """The per-step records of `train_params` run on 2 ranks under `layout` (tmp_path/run) and on one process."""
     root, data, _, _ = workspace
-    train_params = {**TINY, "precision": precision}
-    if "ep" in layout:
-        train_params["model"] = MOE_MODEL
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump({"train": train_params}))
     single = tmp_path / "single"
@@ -234,10 +233,7 @@ def test_bf16_and_fp8_train_in_every_mode_like_one_process(workspace, tmp_path, 
     run = tmp_path / "run"
     _torchrun(2, ["--data", str(data), "--out", str(run), "--params-file", str(params_file),
                   "--parallel", json.dumps(layout)], module="training.parallel.worker")
-    mine, theirs = _records(run), _records(single)
-    assert [r["skipped"] for r in mine] == [r["skipped"] for r in theirs] == [None] * STEPS
-    assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-2)
-    assert json.loads((run / "metrics.json").read_text())["precision"] == precision
+    return _records(run), _records(single)
 
 
 def test_fp16_is_refused_with_pp_and_ep():
