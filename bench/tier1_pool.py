@@ -9,18 +9,22 @@ into a temporary directory; without --head / --previous-head, the quality
 heads are trained there with the reference recipe (`quality:` section:
 positives are the reference set, negatives come only from the
 `negatives_share` part of the pool, Platt-calibrated on the dev part): the
-new one as params.yaml says, the one before tier1e's change without the
-shape features (`quality.shape: false`, `words_l2` 0.05), the previous one
-also with `quality.markup: false`.
+new one as params.yaml says; the one before tier1f's change (tier1e's
+head) with tier1e's settings and without the pool's extra kinds
+(`assay.ingest.demo.EXTRA_POOL_KINDS`: read as if the corpus did not hold
+them), the previous one also without them, without the shape features and
+with `quality.markup: false`.
 
-Six labelled sets, labels by provenance only:
-- the pool's **dev part** (`quality.dev_share`): where settings are chosen.
+Eight labelled sets, labels by provenance only:
+- the pool's **dev part** (`quality.dev_share`; the kinds the pool had
+  before tier1f, so that it holds the documents tier1e measured): where
+  settings are chosen.
   The run re-derives every choice by the rules written down before they
   were made (BENCHMARKS.md): markup to text for the heuristics
   (`static.heuristics.markup`), the key-value records rule's threshold
   (`static.heuristics.records`), whether the head reads markup-stripped
   words (`quality.markup`), and `static.threshold`;
-- the pool's **measured part**, and the **first fresh set**
+- the pool's **measured part** (same kinds), and the **first fresh set**
   (`assay.quality.fresh`): reported, never chosen on, but their numbers
   were seen before this change;
 - **fresh set 2** (`assay.quality.fresh2`, its manifest
@@ -32,17 +36,27 @@ Six labelled sets, labels by provenance only:
   change (shape features in the head, comment runs in the markup step), and
   the shape features' scale and the words head's penalty were chosen on it
   and the sets above, so it is seen;
+- the pool's **extra kinds** (tier1f's `EXTRA_POOL_KINDS`), dev and measured
+  parts: junk only, so no AUC; the new head was trained on their negatives
+  part and calibrated on their dev part (in-distribution, shown apart);
 - **fresh set 4** (`assay.quality.fresh4`, its manifest
   tests/data/tier1_fresh4_manifest.tsv written before tier1e's change and
-  before any score): unseen until this run, never chosen on.
+  before any score): scored first by tier1e's run; tier1f chose its change
+  on it and the sets above, so it is seen;
+- **fresh set 5** (`assay.quality.fresh5`, its manifest
+  tests/data/tier1_fresh5_manifest.tsv written before tier1f's change and
+  before any score, from folders no other set and no extra pool kind
+  reads): unseen until this run, never chosen on.
 
 On each, three settings: the **previous** ones (reflow, Gopher rules for
 plain-text file sources, the calibrated raw-words head at 0.65: no markup
-step, no records rule), the ones **before** tier1e (tier1d's: the markup
-step reads every `# ` line as a heading, the head reads words only with
-`words_l2` 0.05), and the **new** ones (params.yaml): heuristics alone, the
-head alone, tier 1 (both), the head's ROC AUC on every labelled document,
-and per kind the keep rates (before -> new side by side).
+step, no records rule), the ones **before** tier1f (tier1e's: the head on
+words and shape features trained without the extra pool kinds,
+`words_l2` 0.1, `negatives_per_positive` 1.0, `static.threshold` 0.35),
+and the **new** ones (params.yaml): heuristics alone, the head alone, tier
+1 (both), the head's ROC AUC on every labelled document, and per kind the
+keep rates (before -> new side by side). (tier1d's column, the markup step
+without comment runs, was dropped: its numbers are in BENCHMARKS.md.)
 
 `--shape-grid` re-derives tier1e's choice alone: a head per (shape_scale,
 words_l2), its AUC on the seen sets (never fresh set 4), and the choice by
@@ -52,7 +66,6 @@ the rule fixed before the grid was first run (the largest minimum AUC).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -74,8 +87,12 @@ RECORDS_GRID = [0.5, 0.6, 0.7, 0.8, 0.9]
 PREVIOUS_THRESHOLD = 0.65
 #: The words head's L2 penalty before tier1e (chosen on the dev part for words alone).
 BEFORE_WORDS_L2 = 0.05
-#: static.threshold before tier1e.
-BEFORE_THRESHOLD = 0.5
+#: tier1e's settings (the "before" column): the shape head's penalty and scale, its negatives per positive,
+#: static.threshold.
+TIER1E_WORDS_L2 = 0.1
+TIER1E_SHAPE_SCALE = 1.0
+TIER1E_NEGATIVES_PER_POSITIVE = 1.0
+TIER1E_THRESHOLD = 0.35
 
 
 def pct(x: float) -> str:
@@ -94,29 +111,27 @@ def previous_params(params, head: str):
     static = dataclasses.replace(params.static, heuristics=heuristics, head=head, model=None,
                                  source_rules=without_records(params.static.source_rules),
                                  threshold=PREVIOUS_THRESHOLD)
-    quality = dataclasses.replace(params.quality, markup=False, shape=False, words_l2=BEFORE_WORDS_L2)
+    quality = dataclasses.replace(params.quality, markup=False, shape=False, words_l2=BEFORE_WORDS_L2,
+                                  negatives_per_positive=TIER1E_NEGATIVES_PER_POSITIVE, provenance_labels=False)
     return dataclasses.replace(params, static=static, quality=quality)
 
 
 def before_params(params, head: str):
-    """params.yaml as before tier1e (tier1d's settings): the head without shape features at the old penalty
-    (measure it inside `markup_before()`, the markup step without comment runs)."""
-    static = dataclasses.replace(params.static, head=head, model=None, threshold=BEFORE_THRESHOLD)
-    quality = dataclasses.replace(params.quality, shape=False, words_l2=BEFORE_WORDS_L2)
+    """params.yaml as before tier1f (tier1e's settings); train its head without the extra pool kinds."""
+    static = dataclasses.replace(params.static, head=head, model=None, threshold=TIER1E_THRESHOLD)
+    quality = dataclasses.replace(params.quality, shape=True, shape_scale=TIER1E_SHAPE_SCALE,
+                                  words_l2=TIER1E_WORDS_L2, negatives_per_positive=TIER1E_NEGATIVES_PER_POSITIVE,
+                                  provenance_labels=False)
     return dataclasses.replace(params, static=static, quality=quality)
 
 
-@contextlib.contextmanager
-def markup_before():
-    """The markup step as it was before tier1e: without the comment-run steps, every `# ` line a heading."""
-    import filters.markup as markup
+def split_extra(docs: dict) -> tuple[dict, dict]:
+    """A pool part's documents of the kinds the pool had before tier1f, and those of its extra kinds."""
+    from assay.ingest.demo import EXTRA_POOL_KINDS
 
-    saved = markup.RULES
-    markup.RULES = tuple(rule for rule in saved if rule not in markup.COMMENT_RUN_RULES)
-    try:
-        yield
-    finally:
-        markup.RULES = saved
+    extra = [s in EXTRA_POOL_KINDS for s in docs["source"]]
+    return ({k: [x for x, e in zip(v, extra) if not e] for k, v in docs.items()},
+            {k: [x for x, e in zip(v, extra) if e] for k, v in docs.items()})
 
 
 def _batch(docs: dict):
@@ -208,15 +223,15 @@ def choose_on_dev(docs: dict, params, previous_scorer, new_scorer) -> dict:
 
 
 def shape_on_dev(docs: dict, before_scorer, new_scorer) -> dict:
-    """The head without and with the shape features on the dev part (informational: tier1e chose the
-    shape features' scale and the penalty on the seen sets, BENCHMARKS.md)."""
+    """The head before and after tier1f's change on the dev part (informational: tier1e chose the shape
+    features' scale and the penalty, tier1f the extra kinds, on the seen sets, BENCHMARKS.md)."""
     from assay.quality.metrics import roc_auc
     from assay.quality.pool import pool_labels
 
     labels = pool_labels(docs["source"], [len(t) for t in docs["text"]])
     labelled = labels >= 0
     return {name: roc_auc(labels[labelled] == 1, scorer.score(docs["text"], None)[labelled])
-            for name, scorer in (("words only (before)", before_scorer), ("words + shape (new)", new_scorer))}
+            for name, scorer in (("tier1e's head (before)", before_scorer), ("new head", new_scorer))}
 
 
 def print_choice(choice: dict, params) -> None:
@@ -336,13 +351,13 @@ def shape_grid(raw: str, params, sets: list, work: Path) -> dict:
     return {"grid": out, "chosen": best}
 
 
-def train(raw: str, params, out: str) -> str:
+def train(raw: str, params, out: str, exclude: tuple[str, ...] = ()) -> str:
     from assay.quality.train import reference_examples, train_head
 
-    report = train_head(reference_examples(raw, params), params, out, recipe="reference")
+    report = train_head(reference_examples(raw, params, exclude_sources=exclude), params, out, recipe="reference")
     t = report["training"]
     print(f"head {out} (quality.markup {params.quality.markup}, shape {params.quality.shape}, "
-          f"words_l2 {params.quality.words_l2}): {t['examples']} examples "
+          f"words_l2 {params.quality.words_l2}, without {len(exclude)} extra kinds): {t['examples']} examples "
           f"({t['positives']} reference), held-out AUC {report['head']['auc']:.4f}; "
           f"calibration {report.get('calibration')}")
     return out
@@ -352,13 +367,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--raw", help="an ingested demo corpus (default: ingest one into a temporary directory)")
     parser.add_argument("--head", help="the new quality head (default: train one on --raw with params.yaml)")
-    parser.add_argument("--before-head", help="the head before tier1e (default: train one with quality.shape: false, "
-                        "words_l2 0.05)")
+    parser.add_argument("--before-head", help="the head before tier1f (default: train one with tier1e's settings, "
+                        "without the extra pool kinds)")
     parser.add_argument("--previous-head", help="the previous head (default: train one with quality.markup: false)")
     parser.add_argument("--params", help="params.yaml (default: the nearest one)")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--dev-only", action="store_true", help="only the dev part's choices (no other set is scored)")
-    parser.add_argument("--seen-only", action="store_true", help="score only the sets seen before (not fresh set 4)")
+    parser.add_argument("--seen-only", action="store_true", help="score only the sets seen before (not fresh set 5)")
     parser.add_argument("--shape-grid", action="store_true",
                         help="only tier1e's choice: train a head per (shape_scale, words_l2) and print its AUC on "
                              "the seen sets (never fresh set 4)")
@@ -369,6 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     from assay.quality.fresh2 import FRESH2_LABELS, read_fresh2
     from assay.quality.fresh3 import FRESH3_LABELS, read_fresh3
     from assay.quality.fresh4 import FRESH4_LABELS, read_fresh4
+    from assay.quality.fresh5 import FRESH5_LABELS, read_fresh5
+    from assay.ingest.demo import EXTRA_POOL_KINDS
     from assay.quality.pool import DEV, MEASURED, measure_tier1, read_pool
     from assay.quality.scorer import HeadScorer
 
@@ -389,17 +406,15 @@ def main(argv: list[str] | None = None) -> dict:
     raw = args.raw
     if raw is None:
         raw = str(work / "raw")
-        cmd = [str(Path(sys.executable).with_name("assay")), "ingest", "demo", "--out", raw]
-        if args.params:
+        cmd = [str(Path(sys.executable).with_name("assay"))]
+        if args.params:  # a group option: before the command
             cmd += ["--params", args.params]
+        cmd += ["ingest", "demo", "--out", raw]
         subprocess.run(cmd, check=True, env=dict(os.environ, PREFECT_LOGGING_LEVEL="WARNING"),
                        stdout=subprocess.DEVNULL)
-    prev_head = args.previous_head or train(raw, previous_params(params, ""), str(work / "previous-head"))
-    if args.before_head is None:
-        with markup_before():
-            before_head = train(raw, before_params(params, ""), str(work / "before-head"))
-    else:
-        before_head = args.before_head
+    extra_kinds = tuple(EXTRA_POOL_KINDS)
+    prev_head = args.previous_head or train(raw, previous_params(params, ""), str(work / "previous-head"), extra_kinds)
+    before_head = args.before_head or train(raw, before_params(params, ""), str(work / "before-head"), extra_kinds)
     head = args.head or train(raw, params, str(work / "head"))
     new = dataclasses.replace(params, static=dataclasses.replace(params.static, head=head, model=None))
     old = previous_params(new, prev_head)
@@ -409,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("this benchmark measures words heads (quality.features: words)")
     print()
 
-    dev = read_pool(raw, new, part=DEV)
+    dev, dev_extra = split_extra(read_pool(raw, new, part=DEV))
     choice = choose_on_dev(dev, new, prev_scorer, new_scorer)
     choice["shape"] = shape_on_dev(dev, before_scorer, new_scorer)
     print_choice(choice, new)
@@ -420,27 +435,35 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"fresh set 2: {len(fresh2['id'])} documents read back from the manifest; not readable: {missing or 'none'}")
     fresh3, fresh3_labels, missing3 = read_fresh3()
     print(f"fresh set 3: {len(fresh3['id'])} documents read back from the manifest; not readable: {missing3 or 'none'}")
+    fresh4, fresh4_labels, missing4 = read_fresh4()
+    print(f"fresh set 4: {len(fresh4['id'])} documents read back from the manifest; not readable: {missing4 or 'none'}")
     if args.seen_only:
-        fresh4, fresh4_labels, missing4 = None, None, None
-        print("fresh set 4: not read (--seen-only)\n")
+        fresh5, fresh5_labels, missing5 = None, None, None
+        print("fresh set 5: not read (--seen-only)\n")
     else:
-        fresh4, fresh4_labels, missing4 = read_fresh4()
-        print(f"fresh set 4: {len(fresh4['id'])} documents read back from the manifest; "
-              f"not readable: {missing4 or 'none'}\n")
+        fresh5, fresh5_labels, missing5 = read_fresh5()
+        print(f"fresh set 5: {len(fresh5['id'])} documents read back from the manifest; "
+              f"not readable: {missing5 or 'none'}\n")
+    measured, measured_extra = split_extra(read_pool(raw, new, part=MEASURED))
+    pool_extra = {k: dev_extra[k] + measured_extra[k] for k in dev_extra}
     sets = (
         ("pool dev part (chosen on)", dev, None),
-        ("pool measured part (seen before)", read_pool(raw, new, part=MEASURED), None),
+        ("pool measured part (seen before)", measured, None),
+        ("pool extra kinds, dev + measured parts (junk only; the new head trained on their negatives part)",
+         pool_extra, None),
         ("fresh set 1 (seen before)", read_fresh(), FRESH_LABELS),
         ("fresh set 2 (seen: scored by tier1c)", fresh2, FRESH2_LABELS),
         ("fresh set 3 (seen: scored by tier1d, chosen on by tier1e)", fresh3, FRESH3_LABELS),
-        ("fresh set 4 (unseen)", fresh4, FRESH4_LABELS),
-    )[: 5 if args.seen_only else 6]
+        ("fresh set 4 (seen: scored by tier1e, chosen on by tier1f)", fresh4, FRESH4_LABELS),
+        ("fresh set 5 (unseen)", fresh5, FRESH5_LABELS),
+    )[: 7 if args.seen_only else 8]
     results = {}
     for name, docs, labels in sets:
+        if not docs["id"]:
+            continue
         extra = {} if labels is None else {"source_labels": labels}
         o = measure_tier1(docs, old, None, prev_scorer, **extra)
-        with markup_before():
-            b = measure_tier1(docs, before, None, before_scorer, **extra)
+        b = measure_tier1(docs, before, None, before_scorer, **extra)
         n = measure_tier1(docs, new, None, new_scorer, **extra)
         print_side_by_side(name, b, n)
         results[name] = {"previous": o, "before": b, "new": n}
@@ -451,9 +474,11 @@ def main(argv: list[str] | None = None) -> dict:
     assert (recomputed == fresh2_labels).all(), "fresh set 2: labels differ from the manifest's"
     recomputed = labels_by_source(fresh3["source"], [len(t) for t in fresh3["text"]], FRESH3_LABELS)
     assert (recomputed == fresh3_labels).all(), "fresh set 3: labels differ from the manifest's"
-    if fresh4 is not None:
-        recomputed = labels_by_source(fresh4["source"], [len(t) for t in fresh4["text"]], FRESH4_LABELS)
-        assert (recomputed == fresh4_labels).all(), "fresh set 4: labels differ from the manifest's"
+    recomputed = labels_by_source(fresh4["source"], [len(t) for t in fresh4["text"]], FRESH4_LABELS)
+    assert (recomputed == fresh4_labels).all(), "fresh set 4: labels differ from the manifest's"
+    if fresh5 is not None:
+        recomputed = labels_by_source(fresh5["source"], [len(t) for t in fresh5["text"]], FRESH5_LABELS)
+        assert (recomputed == fresh5_labels).all(), "fresh set 5: labels differ from the manifest's"
     print_summary(results)
     result["sets"] = results
     print(f"total {time.perf_counter() - started:.0f} s (raw: {raw}, heads: {prev_head}, {before_head}, {head})")

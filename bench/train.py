@@ -49,7 +49,9 @@ def configurations(args) -> dict[str, TrainParams]:
         "dense": base,  # fp32, dense attention: the reference
         "sparse": dataclasses.replace(base, model=sparse),
         "bf16": dataclasses.replace(base, precision="bf16"),
+        "fp16": dataclasses.replace(base, precision="fp16"),  # with dynamic loss scaling
         "fp8": dataclasses.replace(base, precision="fp8"),
+        "fp8_fp16": dataclasses.replace(base, precision="fp8_fp16"),  # fp8 with fp16 (and loss scaling) for the rest
         "moe": dataclasses.replace(base, model=moe),
     }
 
@@ -57,7 +59,8 @@ def configurations(args) -> dict[str, TrainParams]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", help="a dataset directory (default: ingest the demo corpus)")
-    ap.add_argument("--configs", default="dense,sparse,bf16,fp8,moe")
+    ap.add_argument("--configs", default="dense,sparse,bf16,fp8,moe",
+                    help="comma-separated, of: dense, sparse, bf16, fp16, fp8, fp8_fp16, moe")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
@@ -119,6 +122,13 @@ def main(argv=None) -> int:
     if "bf16" in results and "fp8" in results:
         gap = abs(results["fp8"]["final_loss_mean10"] - results["bf16"]["final_loss_mean10"])
         print(f"|fp8 - bf16| final loss: {gap / results['bf16']['final_loss_mean10']:.2%} of bf16 (target <= 1%)")
+    for half, fp8 in (("bf16", "fp8"), ("fp16", "fp8_fp16")):
+        if "dense" in results and half in results:
+            gap = results[half]["final_loss_mean10"] / results["dense"]["final_loss_mean10"] - 1
+            print(f"{half} - fp32 final loss: {gap:+.2%} of fp32; {results[half]['skipped_steps']} step(s) skipped")
+    if "fp16" in results and "fp8_fp16" in results:
+        gap = abs(results["fp8_fp16"]["final_loss_mean10"] - results["fp16"]["final_loss_mean10"])
+        print(f"|fp8_fp16 - fp16| final loss: {gap / results['fp16']['final_loss_mean10']:.2%} of fp16")
     (work / "results.json").write_text(json.dumps(results, indent=2))
     print(f"runs and results.json in {work}")
     return 0

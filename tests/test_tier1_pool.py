@@ -338,10 +338,18 @@ def test_fresh2_reads_no_file_of_the_earlier_sets():
 
 
 def _check_fresh_manifest(rows: list[dict], labels_by_kind: dict, *, good: int, junk: int, good_kinds: int,
-                          junk_kinds: int) -> None:
+                          junk_kinds: int, rules: dict | None = None) -> None:
     """What every fresh set's manifest must hold: 300+ documents, each locator and text once, enough good and
-    junk documents and kinds, and every kind judged by the plain-text files' rules."""
+    junk documents and kinds, and every kind judged by the plain-text files' rules; with `rules` (kind -> the
+    reading rule), each row labelled by its kind alone and read by its kind's rule, good texts over the floor."""
     from filters.heuristics import rules_for
+
+    if rules is not None:
+        names = {GOOD: "good", JUNK: "junk"}
+        for row in rows:
+            assert row["label"] == names[labels_by_kind[row["kind"]]] and row["rule"] == rules[row["kind"]]
+            if row["label"] == "good":
+                assert int(row["chars"]) >= MIN_GOOD_CHARS
 
     assert len(rows) >= 300 and len({r["locator"] for r in rows}) == len(rows)
     assert len({r["blake2b"] for r in rows}) == len(rows)  # each text once
@@ -424,12 +432,7 @@ def test_fresh4_labels_are_by_provenance_only_and_the_manifest_says_so():
     earlier = set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(FRESH3_LABELS) | set(POOL_SOURCES)
     assert not set(FRESH4_LABELS) & earlier
     rows = read_manifest(MANIFEST)
-    names = {GOOD: "good", JUNK: "junk"}
-    for row in rows:
-        assert row["label"] == names[FRESH4_LABELS[row["kind"]]] and row["rule"] == RULES[row["kind"]]
-        if row["label"] == "good":
-            assert int(row["chars"]) >= MIN_GOOD_CHARS
-    _check_fresh_manifest(rows, FRESH4_LABELS, good=150, junk=250, good_kinds=5, junk_kinds=8)
+    _check_fresh_manifest(rows, FRESH4_LABELS, good=150, junk=250, good_kinds=5, junk_kinds=8, rules=RULES)
 
 
 def test_fresh4_is_disjoint_from_the_earlier_sets():
@@ -482,3 +485,190 @@ def test_fresh4_reads_the_main_text_of_an_html_chapter():
     assert main_text(html) == ("Ownership\n\nEach value has an owner.\n\n"
                                "When the owner goes out of scope, the value is dropped & freed.\n")
     assert main_text("<html><body><p>no main</p></body></html>") is None
+
+
+# --- tier1f: the pool's extra junk kinds, fresh set 5 ----------------------------------------
+
+
+def test_extra_pool_kinds_are_junk_and_leave_the_rest_of_the_demo_sample_unchanged():
+    """tier1f's extra kinds are labelled junk by provenance, judged like every plain-text source, and drawn
+    with a generator of their own: the other kinds' files and the draws after them (the reference set's)
+    are the same with or without them."""
+    import dataclasses
+
+    from assay.ingest.demo import EXTRA_POOL_KINDS, extra_files
+    from filters.heuristics import rules_for
+
+    assert EXTRA_POOL_KINDS and all(POOL_LABELS[source] == JUNK for source in EXTRA_POOL_KINDS)
+    assert all(source in POOL_SOURCES for source in EXTRA_POOL_KINDS)
+    static = Params().static
+    assert all(rules_for(s, static.source_rules) == ["gopher_repetition", "gopher_quality", "records"]
+               for s in EXTRA_POOL_KINDS)
+    assert Params().demo.system_files == 0  # measured, not chosen (tier1f): the demo's pool is as before
+    sample = dataclasses.replace(SAMPLE, system_files=40)
+    with_extra, without = random.Random(SAMPLE.seed), random.Random(SAMPLE.seed)
+    entries = pool_entries(sample, with_extra)
+    plain = pool_entries(SAMPLE, without)
+    assert [e for e in entries if e.source not in EXTRA_POOL_KINDS] == plain
+    assert with_extra.random() == without.random()
+    counts = {s: sum(e.source == s for e in entries) for s in EXTRA_POOL_KINDS}
+    if sum(counts.values()) == 0:
+        pytest.skip("this machine has none of the extra kinds' files")
+    assert all(n == min(sample.system_files, len(extra_files(s))) for s, n in counts.items())
+
+
+def test_reference_examples_can_leave_sources_out(tmp_path):
+    """The bench rebuilds the head before tier1f from the same corpus as if it lacked the extra kinds:
+    their documents are neither negatives nor calibration examples, and the rest is drawn as before."""
+    from assay.quality.train import reference_examples
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    def raw(path, sources):
+        n = len(sources)
+        table = pa.table({
+            "id": [f"doc-{i}" for i in range(n)], "text": [f"Document {i} says something." * 40 for i in range(n)],
+            "kind": ["text"] * n, "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)],
+            "meta": ["{}"] * n,
+        })
+        with ShardWriter(path, DOCUMENT_SCHEMA) as writer:
+            writer.write(table)
+        write_manifest(path, {"documents": n})
+        return path
+
+    sources = ["man"] * 100 + ["doc-readme"] * 100 + ["pypi-record"] * 100 + ["sys-ca-cert"] * 100
+    params = Params()
+    params.quality.reference_sources = ["man"]
+    both = reference_examples(raw(tmp_path / "both", sources), params)
+    assert "sys-ca-cert" in {sources[int(i.split("-")[1])] for i in both.ids}
+    left_out = reference_examples(tmp_path / "both", params, exclude_sources=["sys-ca-cert"])
+    alone = reference_examples(raw(tmp_path / "alone", sources[:300]), params)
+    assert left_out.ids == alone.ids and (left_out.labels == alone.labels).all()
+    assert left_out.calibration.ids == alone.calibration.ids
+    assert not {sources[int(i.split("-")[1])] for i in left_out.ids + left_out.calibration.ids} & {"sys-ca-cert"}
+
+
+def test_fresh5_labels_are_by_provenance_only_and_the_manifest_says_so():
+    """The committed manifest (written before tier1f's change and before any score) labels each document
+    by its kind alone (good kinds take only texts over the length floor)."""
+    from assay.quality.fresh import FRESH_LABELS
+    from assay.quality.fresh2 import FRESH2_LABELS
+    from assay.quality.fresh3 import FRESH3_LABELS
+    from assay.quality.fresh4 import FRESH4_LABELS
+    from assay.quality.fresh5 import FRESH5_LABELS, KINDS, MANIFEST, RULES, read_manifest
+
+    assert set(FRESH5_LABELS) == set(KINDS) == set(RULES)
+    earlier = (set(POOL_LABELS) | set(FRESH_LABELS) | set(FRESH2_LABELS) | set(FRESH3_LABELS) | set(FRESH4_LABELS)
+               | set(POOL_SOURCES))
+    assert not set(FRESH5_LABELS) & earlier
+    rows = read_manifest(MANIFEST)
+    assert max(sum(r["kind"] == k for r in rows) for k in FRESH5_LABELS) <= 40
+    _check_fresh_manifest(rows, FRESH5_LABELS, good=150, junk=250, good_kinds=5, junk_kinds=8, rules=RULES)
+
+
+def test_fresh5_is_disjoint_from_the_earlier_sets_and_from_the_extra_pool_kinds():
+    """No locator or text of fresh sets 2's, 3's or 4's manifests, no file of the pool's (its extra kinds
+    included) or fresh set 1's candidate lists, of the demo's code side or of the man pages, nothing under the
+    venv; and the extra pool kinds (the head's new negatives) read no folder of fresh set 5 and no file of
+    fresh sets 1 to 4."""
+    import sys
+
+    from assay.ingest.demo import (
+        EXTRA_POOL_KINDS,
+        dist_info_files,
+        doc_files,
+        dpkg_manifests,
+        extra_files,
+        log_files,
+        man_pages,
+        metadata_files,
+        package_roots,
+        stdlib_files,
+    )
+    from assay.quality import fresh2, fresh3, fresh4
+    from assay.quality.fresh import FILE_KINDS
+    from assay.quality.fresh5 import ROOTS, read_fresh5, read_manifest
+
+    extra = {str(p) for source in EXTRA_POOL_KINDS for p in extra_files(source)}
+    # By construction: no folder an extra kind lists is inside one of fresh set 5's folders or holds one.
+    def folder(root: str, pattern: str) -> str:  # the fixed folders of a glob pattern under root
+        fixed = pattern.split("*", 1)[0]
+        return root + "/" + fixed.rsplit("/", 1)[0] if "/" in fixed else root
+
+    folders = {folder(root, pattern) for root, patterns in EXTRA_POOL_KINDS.values() for pattern in patterns}
+    assert not [(a, b) for a in folders for b in ROOTS
+                if (a + "/").startswith(b + "/") or (b + "/").startswith(a + "/")]
+    assert not [p for p in extra if any(p.startswith(root + "/") for root in ROOTS)]
+    rows = read_manifest()
+    earlier_rows = fresh2.read_manifest() + fresh3.read_manifest() + fresh4.read_manifest()
+    assert not {r["locator"] for r in rows} & {r["locator"] for r in earlier_rows}
+    assert not {r["blake2b"] for r in rows} & {r["blake2b"] for r in earlier_rows}
+    assert not extra & {r["locator"].split("#", 1)[0] for r in earlier_rows}
+    roots = {sys.prefix} | {str(p) for p in package_roots()}
+    assert not [r["locator"] for r in rows if any(r["locator"].startswith(root + "/") for root in roots)]
+    earlier = {str(p) for p in metadata_files() + dist_info_files("RECORD") + dist_info_files("entry_points.txt")
+               + doc_files(lambda name: True) + dpkg_manifests() + log_files() + man_pages()}
+    earlier |= {str(p) for p in stdlib_files()}
+    for lister in FILE_KINDS.values():
+        earlier |= {str(p) for p in lister()}
+    assert not extra & earlier
+    docs, labels, missing = read_fresh5()
+    if len(docs["id"]) < 0.9 * len(rows):
+        pytest.skip(f"this machine lacks fresh set 5's files ({missing})")
+    paths = {locator.split("#", 1)[0] for locator in docs["path"]}
+    assert not paths & (earlier | extra)
+    assert len(set(docs["text"])) == len(docs["text"])
+    assert (labels == GOOD).sum() >= 150 and (labels == JUNK).sum() >= 250
+
+
+def test_fresh5_readers_take_the_documentation_only():
+    """Perl modules give their POD blocks without the code; gsutil modules their help text."""
+    from assay.quality.fresh5 import help_text, pod_text
+
+    module = ("package Foo;\nuse strict;\n\n=head1 NAME\n\nFoo - does foo\n\n=cut\n\nsub foo { 1 }\n\n"
+              "=head2 foo\n\nReturns one.\n\n=cut\n\n1;\n__END__\n\n=head1 AUTHOR\n\nSomeone\n")
+    assert pod_text(module) == ("=head1 NAME\n\nFoo - does foo\n\n=head2 foo\n\nReturns one.\n\n"
+                                "=head1 AUTHOR\n\nSomeone\n")
+    assert pod_text("package Foo;\n1;\n") is None
+    source = 'from x import y\n\n_DETAILED_HELP_TEXT = ("""\n<B>OVERVIEW</B>\n  Objects have metadata.\n""")\n'
+    assert help_text(source) == "<B>OVERVIEW</B>\n  Objects have metadata.\n"
+    assert help_text("x = 1\n") is None
+
+
+def test_provenance_labels_make_the_pools_good_kinds_positives(tmp_path):
+    """quality.provenance_labels: in the negatives part, good kinds are positives, unlabelled kinds are left
+    out, junk kinds and sources the pool does not know are negatives; off, the whole part is negatives."""
+    from assay.quality.train import reference_examples
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    sources = (["man"] * 60 + ["doc-readme"] * 100 + ["pypi-record"] * 100 + ["doc-changelog"] * 100
+               + ["web"] * 100)
+    n = len(sources)
+    ids = [f"doc-{i}" for i in range(n)]
+    table = pa.table({
+        "id": ids, "text": [f"Document {i} says something. " * 60 for i in range(n)], "kind": ["text"] * n,
+        "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n,
+    })
+    with ShardWriter(tmp_path / "raw", DOCUMENT_SCHEMA) as writer:
+        writer.write(table)
+    write_manifest(tmp_path / "raw", {"documents": n})
+    params = Params()
+    params.quality.reference_sources = ["man"]
+    params.quality.negatives_per_positive = 10.0  # every negative allowed
+    part = dict(zip(ids, in_negatives_part(ids, params.quality.negatives_share, params.quality.seed)))
+    source_of = dict(zip(ids, sources))
+
+    def kinds(examples, label):
+        return {source_of[i] for i, lab in zip(examples.ids, examples.labels) if lab == label}
+
+    assert not params.quality.provenance_labels  # the default: GPT-3's recipe
+    recipe = reference_examples(tmp_path / "raw", params)
+    assert kinds(recipe, True) == {"man"} and kinds(recipe, False) == {"doc-readme", "pypi-record", "doc-changelog",
+                                                                        "web"}
+    params.quality.provenance_labels = True
+    labelled = reference_examples(tmp_path / "raw", params)
+    assert kinds(labelled, True) == {"man", "doc-readme"} and kinds(labelled, False) == {"pypi-record", "web"}
+    pool_positives = {i for i, lab in zip(labelled.ids, labelled.labels) if lab and source_of[i] == "doc-readme"}
+    assert pool_positives == {i for i in ids if source_of[i] == "doc-readme" and part[i]}
+    assert labelled.calibration.ids == recipe.calibration.ids  # the dev part is read as before

@@ -18,7 +18,16 @@ quality head, a different, unfiltered pool is what gets filtered):
   - `doc-changelog`, `debian-changelog`: upstream `changelog.gz`, and `changelog.Debian.gz`;
   - `doc-copyright`: /usr/share/doc/*/copyright;
   - `dpkg-manifest`: /var/lib/dpkg/info/*.list and *.md5sums (install manifests);
-  - `logs`: text files under /var/log.
+  - `logs`: text files under /var/log;
+  - optionally, `EXTRA_POOL_KINDS` (tier1f): machine data of other shapes,
+    up to `demo.system_files` of each (default 0: none), so that the head's
+    negatives are not only package records and logs: CA certificates (PEM),
+    source-highlight's language definitions, fontconfig's configuration
+    (XML), udev rules, systemd's tmpfiles/sysusers/sysctl/modprobe fragments,
+    autoconf macros (m4) and Tcl's message catalogues. They are drawn with
+    their own random generator, so the rest of the corpus is the same sample
+    as without them. Measured with 40 and 150 of each, they did not raise the
+    head's lowest AUC over the seen labelled sets (BENCHMARKS.md, tier 1).
   Compressed files (.gz, .xz) are decompressed at ingest. A kind this
   machine lacks is simply absent.
 
@@ -53,9 +62,24 @@ SOURCE_PYDOC = "pydoc-topics"
 SOURCE_MAN = "man"
 #: Sources of curated reference prose (the positives of tier 1's head; not part of the pool).
 REFERENCE_SOURCES = (SOURCE_PYDOC, SOURCE_MAN)
+
+#: tier1f: more junk kinds for the pool (each a source of its own; labels in `assay.quality.pool`), listed
+#: from folders of system packages that no labelled set of tier 1 reads (`assay.quality.fresh*`; the
+#: disjointness tests check it): source -> (root, glob patterns under it).
+EXTRA_POOL_KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sys-ca-cert": ("/usr/share/ca-certificates", ("**/*.crt",)),
+    "sys-source-highlight": ("/usr/share/source-highlight", ("*",)),
+    "sys-fontconfig": ("/usr/share/fontconfig", ("**/*",)),
+    "sys-udev-rules": ("/usr/lib/udev/rules.d", ("*.rules",)),
+    "sys-conf-fragment": ("/usr/lib", ("tmpfiles.d/*", "sysusers.d/*", "sysctl.d/*", "modprobe.d/*", "binfmt.d/*",
+                                       "modules-load.d/*", "environment.d/*")),
+    "sys-m4": ("/usr/share/aclocal", ("*.m4",)),
+    "sys-tcl-msgs": ("/usr/share/tcltk", ("*/msgs/**/*.msg",)),
+}
 #: The pool's text sources.
 POOL_SOURCES = (SOURCE_DESCRIPTION, SOURCE_METADATA, SOURCE_RECORD, SOURCE_ENTRY_POINTS, SOURCE_README,
-                SOURCE_NEWS, SOURCE_CHANGELOG, SOURCE_DEBIAN_CHANGELOG, SOURCE_COPYRIGHT, SOURCE_DPKG, SOURCE_LOGS)
+                SOURCE_NEWS, SOURCE_CHANGELOG, SOURCE_DEBIAN_CHANGELOG, SOURCE_COPYRIGHT, SOURCE_DPKG, SOURCE_LOGS,
+                *EXTRA_POOL_KINDS)
 _COMPRESSED = (".gz", ".xz")
 #: Markup and binaries are not prose or text junk of the kinds above.
 _DOC_SKIP_SUFFIXES = (".html", ".htm", ".css", ".png", ".jpg", ".gif", ".svg", ".pdf", ".js")
@@ -157,6 +181,33 @@ def log_files(root: Path = Path("/var/log")) -> list[Path]:
     return found
 
 
+def extra_files(source: str) -> list[Path]:
+    """The candidate files of one of `EXTRA_POOL_KINDS` (regular, non-empty, each real file once)."""
+    root, patterns = EXTRA_POOL_KINDS[source]
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    seen: dict[Path, Path] = {}
+    for path in sorted(p for pattern in patterns for p in base.glob(pattern)):
+        try:
+            if path.is_file() and path.stat().st_size > 0:
+                seen.setdefault(path.resolve(), path)
+        except OSError:
+            continue
+    return sorted(seen.values())
+
+
+def extra_pool_entries(params: DemoParams) -> list[FileEntry]:
+    """Up to `params.system_files` files of each of `EXTRA_POOL_KINDS`, sampled with a generator of their own
+    (seeded from `params.seed`), so that adding them leaves the rest of the corpus's sample unchanged."""
+    rng = random.Random(f"{params.seed}:extra-pool-kinds")
+    entries = []
+    for source in EXTRA_POOL_KINDS:
+        chosen = _sample(rng, extra_files(source), params.system_files)
+        entries += [_entry(p, source, p.as_posix().lstrip("/")) for p in chosen]
+    return entries
+
+
 def _text_entry(path: Path, source: str, locator: str) -> FileEntry:
     """A file of the pool; compressed ones are decompressed (sized at 4x for unit planning)."""
     st = path.stat()
@@ -192,7 +243,7 @@ def pool_entries(params: DemoParams, rng: random.Random) -> list[FileEntry]:
     log_root = Path("/var/log")
     entries += [_text_entry(p, SOURCE_LOGS, p.relative_to(log_root).as_posix())
                 for p in _sample(rng, log_files(log_root), params.logs)]
-    return entries
+    return entries + extra_pool_entries(params)
 
 
 def man_pages(root: Path = Path("/usr/share/man")) -> list[Path]:

@@ -6,8 +6,8 @@ train`: the reference recipe or a labelled file, optionally fine-tuning the
 encoder), `calibration` (Platt scaling of the head on the pool's dev part),
 `scorer` (documents → `quality` in [0, 1], for the static stage), `pool`
 (the demo's labelled pool: labels by provenance, the negatives/dev/measured
-split, tier 1's measurement), `fresh`, `fresh2`, `fresh3` and `fresh4`
-(four more labelled sets of other files of the machine, for reporting only;
-fresh2's, fresh3's and fresh4's labels are committed manifests written
+split, tier 1's measurement), `fresh`, `fresh2`, `fresh3`, `fresh4` and
+`fresh5` (five more labelled sets of other files of the machine, for
+reporting only; fresh2's to fresh5's labels are committed manifests written
 before their first score).
 """

@@ -6,14 +6,15 @@ XML and X11 Compose tables; the markup step reads `#` comment lines as
 Markdown headings) then motivated the tier1e change (the head's features and
 the markup step), so it is seen now, like the pool and fresh sets 1 and 2.
 This set was drawn, and its manifest written, before that change was made
-and before any score was computed on its files. It is read from places none
+and before any score was computed on its files; it was unseen until
+tier1e's run, and tier1f chose its settings on it (fresh set 5,
+`assay.quality.fresh5`, is the unseen one since). It is read from places none
 of the earlier sets, the demo pool or the reference set reads: the Rust
 toolchain's HTML books and generated rustdoc indexes (rustup's stable
 toolchain), the JDKs under /usr/lib/jvm, the Google Cloud SDK
 (/usr/lib/google-cloud-sdk, not a Python root of the earlier sets), CMake's
 module sources, X11's keyboard descriptions, the shared MIME database,
-ALSA's configuration, Tcl's encodings and Perl's Unicode tables. It is only
-reported on, never tuned on.
+ALSA's configuration, Tcl's encodings and Perl's Unicode tables.
 
 **Labels come from provenance only**, written in code here and into the
 manifest (`tests/data/tier1_fresh4_manifest.tsv`: locator, kind, label, the

@@ -17,6 +17,16 @@ from), written down here before any score of tier 1 was computed on the pool:
   manifests (`pypi-record`, `dpkg-manifest`), entry-point tables
   (`pypi-entry-points`), Debian changelogs (`debian-changelog`: a log of
   packaging events in a fixed, machine-parsed format), and logs (`logs`);
+- junk, the optional kinds added by tier1f (`assay.ingest.demo.EXTRA_POOL_KINDS`,
+  in the demo when `demo.system_files` > 0, so that the head's negatives cover
+  more shapes of machine data than records and logs), at any length: CA certificates (`sys-ca-cert`, PEM), source-highlight's
+  language definitions (`sys-source-highlight`), fontconfig's configuration
+  (`sys-fontconfig`, XML), udev rules (`sys-udev-rules`), systemd's
+  tmpfiles/sysusers/sysctl/modprobe/binfmt fragments (`sys-conf-fragment`),
+  autoconf macros (`sys-m4`) and Tcl's message catalogues (`sys-tcl-msgs`):
+  files read by programs, none written to be read as prose. (Labelled
+  before any score of them was computed; fresh set 5, `assay.quality.fresh5`,
+  was drawn from other folders before they were added.)
 - unlabelled (in the pool, filtered, not counted): upstream changelogs
   (`doc-changelog`, anything from narrative release notes to GNU ChangeLog
   entries) and copyright files (`doc-copyright`, DEP-5 fields around
@@ -29,8 +39,9 @@ choosing settings (the words head's L2 penalty, the per-source rule choice,
 `static.threshold`) and for the head's Platt scaling; tier 1 is measured on
 the rest, so no document the head was trained or calibrated on, or that a
 setting was chosen on, is counted. `assay.quality.fresh`,
-`assay.quality.fresh2`, `assay.quality.fresh3` and `assay.quality.fresh4`
-are four more labelled sets of other files, for reporting only.
+`assay.quality.fresh2`, `assay.quality.fresh3`, `assay.quality.fresh4` and
+`assay.quality.fresh5` are five more labelled sets of other files, for
+reporting only.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import pyarrow as pa
 
 from assay.config import Params
 from assay.encoder import Encoder
+from assay.ingest.demo import EXTRA_POOL_KINDS
 from assay.quality.metrics import calibration_table, expected_calibration_error, roc_auc
 from assay.quality.scorer import Scorer
 from assay.schema import KIND_TEXT
@@ -67,6 +79,7 @@ POOL_LABELS: dict[str, int] = {
     "dpkg-manifest": JUNK,
     "debian-changelog": JUNK,
     "logs": JUNK,
+    **{source: JUNK for source in EXTRA_POOL_KINDS},
     "doc-changelog": UNLABELLED,
     "doc-copyright": UNLABELLED,
 }

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,7 +41,7 @@ from assay.quality.features import SHAPE_FEATURES, head_features
 from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
 from assay.quality.calibration import fit_platt
-from assay.quality.pool import DEV, GOOD, UNLABELLED, in_negatives_part, pool_labels, pool_parts
+from assay.quality.pool import DEV, GOOD, POOL_LABELS, UNLABELLED, in_negatives_part, pool_labels, pool_parts
 from assay.schema import KIND_TEXT
 from assay.shards import iter_batches, require_dataset
 
@@ -59,11 +60,22 @@ class Examples:
     calibration: "Examples | None" = None
 
 
-def reference_examples(data: str | Path, params: Params) -> Examples:
-    """Positives: text of the reference sources. Negatives: other raw text, sampled."""
+def reference_examples(data: str | Path, params: Params, exclude_sources: Collection[str] = ()) -> Examples:
+    """Positives: text of the reference sources. Negatives: other raw text, sampled.
+
+    `exclude_sources`: documents of these sources are read as if the corpus did not hold them (neither
+    negatives nor calibration examples; the bench rebuilds the head before tier1f's extra pool kinds so).
+
+    With `quality.provenance_labels` (ours, tier1f), the negatives part of the demo pool is read by its
+    provenance labels (`assay.quality.pool.POOL_LABELS`): documents of good kinds are positives beside the
+    reference set, those of unlabelled kinds are left out, only junk kinds (and text of sources the pool
+    does not know) are negatives. GPT-3's recipe takes the whole unfiltered pool as negatives, its good
+    prose included.
+    """
     require_dataset(data)
     q = params.quality
     reference = pa.array(q.reference_sources, pa.string())
+    excluded = pa.array(sorted(exclude_sources), pa.string())
     rng = random.Random(q.seed)
     positives: list[tuple[str, str]] = []
     negatives: list[tuple[str, str]] = []
@@ -71,12 +83,22 @@ def reference_examples(data: str | Path, params: Params) -> Examples:
     seen_neg = 0
     for batch in iter_batches(data, columns=["id", "text", "kind", "source"]):
         batch = batch.filter(pc.equal(batch.column("kind"), KIND_TEXT))
+        if len(excluded):
+            batch = batch.filter(pc.invert(pc.is_in(batch.column("source"), value_set=excluded)))
         is_ref = pc.is_in(batch.column("source"), value_set=reference).to_numpy(zero_copy_only=False)
         ids, texts = batch.column("id").to_pylist(), batch.column("text").to_pylist()
+        sources = batch.column("source").to_pylist()
         may_be_negative = in_negatives_part(ids, q.negatives_share, q.seed)
+        if q.provenance_labels:
+            provenance = pool_labels(sources, [len(t) for t in texts])
+            for i in np.flatnonzero(may_be_negative & ~is_ref).tolist():
+                if provenance[i] == GOOD and len(positives) < MAX_PER_CLASS:
+                    positives.append((ids[i], texts[i]))
+                if provenance[i] == GOOD or (provenance[i] == UNLABELLED and sources[i] in POOL_LABELS):
+                    may_be_negative[i] = False
         if q.negatives_share + q.dev_share <= 1.0:  # else there is no dev part to calibrate on
             parts = pool_parts(ids, q.negatives_share, q.dev_share, q.seed)
-            labels = pool_labels(batch.column("source").to_pylist(), [len(t) for t in texts])
+            labels = pool_labels(sources, [len(t) for t in texts])
             for i in np.flatnonzero((parts == DEV) & (labels != UNLABELLED) & ~is_ref).tolist():
                 if len(dev) < 2 * MAX_PER_CLASS:
                     dev.append((ids[i], texts[i], bool(labels[i] == GOOD)))
