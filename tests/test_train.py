@@ -268,6 +268,9 @@ def test_fp16_overflows_skip_the_step_halve_the_scale_blame_no_document_and_resu
     result = train(open_version(stdlib_data), resumed, params, resume=True, progress=False)
     assert result.resumed_from == 4
     assert _history(resumed) == history
+    with pytest.raises(AssayError, match="loss scaling"):  # bf16 has no scaler state to carry on
+        train(open_version(stdlib_data), resumed, dataclasses.replace(params, precision="bf16"), resume=True,
+              progress=False)
 
 
 def test_sparse_attention_and_moe_train_with_balanced_routing(stdlib_data, tmp_path):

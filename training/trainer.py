@@ -48,7 +48,7 @@ from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.parallel.distributed import init_distributed
 from training.parallel.setup import Parallel
-from training.precision import loss_scaler, precision_context, uses_fp8
+from training.precision import loss_scaler, precision_context, scales_loss, uses_fp8
 from training.spikes import SpikeDetector
 from training.telemetry import TelemetryLog
 from training.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -226,6 +226,10 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
         if state["model_args"] != dataclasses.asdict(params.model) or state["seq_len"] != params.seq_len:
             raise AssayError(f"--resume: the model in {out} differs from params.train.model; "
                              "restore the params or start again with --overwrite")
+        if scales_loss(state.get("precision", "fp32")) != scales_loss(params.precision):
+            # The loss scaler's state is in fp16 runs' checkpoints only.
+            raise AssayError(f"--resume: {out} was trained in {state.get('precision', 'fp32')}, params.train.precision "
+                             f"is {params.precision}; a run cannot move in or out of fp16's loss scaling")
         return checkpoint
     if not overwrite:
         raise AssayError(f"{out} holds a run (step {state['step']}); pass --resume to continue it "
