@@ -698,6 +698,12 @@ class DynamicParams:
     alignment_low_z: float | None = 1.5
     #: ... or above this (a document not of its stratum's kind).
     alignment_high_z: float | None = 3.5
+    #: The strata of the alignment's z: "kind" or "kind_lang_band" (as the other signals: kind x
+    #: language x length band). "kind": score.components makes a kind's cosine the best of several,
+    #: so kinds differ in scale, and length bands split them finer than the cosine needs (planted
+    #: bench AUC with components, three draws: 0.8995 / 0.870 / 0.860 vs 0.883 / 0.867 / 0.862;
+    #: chosen on the first; BENCHMARKS.md tier 2).
+    alignment_z_strata: str = "kind"
     loss_high_z: float | None = 3.5
     loss_low_z: float | None = 3.5
     grad_norm_high_z: float | None = 3.5
@@ -715,6 +721,9 @@ class DynamicParams:
     min_drop_gap: int = 50
 
     def __post_init__(self) -> None:
+        if self.alignment_z_strata not in ("kind_lang_band", "kind"):
+            raise AssayError("dynamic.alignment_z_strata must be kind_lang_band or kind, "
+                             f"not {self.alignment_z_strata!r}")
         if self.min_stratum_docs < 2:
             raise AssayError(f"dynamic.min_stratum_docs must be at least 2, not {self.min_stratum_docs}")
         if self.length_bands != sorted(self.length_bands) or any(b <= 0 for b in self.length_bands):
@@ -764,8 +773,18 @@ class ScoringParams:
     #: vote on the direction). "tokens" by default: unit gradients won on one planted bench and
     #: lost on three (BENCHMARKS.md, tier 2).
     reference_aggregate: str = "tokens"
+    #: "source": a stratum's reference is a mixture of sources; each source with min_stratum_docs
+    #: reference documents in it is one component, and a document's alignment is its best cosine
+    #: with any component of its stratum (package documentation judged against package
+    #: documentation, man pages against man pages). "none": one reference gradient per stratum.
+    #: Planted bench, demo model, one checkpoint, z within kind: AUC 0.855 -> 0.8995 (chosen there),
+    #: 0.824 -> 0.870 and 0.805 -> 0.860 on fresh corpus draws, for about 1.04x the pass's CPU time
+    #: (BENCHMARKS.md tier 2).
+    components: str = "source"
 
     def __post_init__(self) -> None:
+        if self.components not in ("none", "source"):
+            raise AssayError(f"score.components must be none or source, not {self.components!r}")
         if self.precondition not in ("none", "adam"):
             raise AssayError(f"score.precondition must be none or adam, not {self.precondition!r}")
         if self.reference_aggregate not in ("tokens", "documents", "unit"):

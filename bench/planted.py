@@ -132,6 +132,9 @@ def signal_table(scores: pa.Table, telemetry: pa.Table, params) -> dict[str, np.
     out["align_last"], out["align_mean"] = col(at_last, "alignment"), col(both, "alignment")
     out["align_last_z"] = robust_z(out["align_last"], groups, judged)
     out["align_mean_z"] = robust_z(out["align_mean"], groups, judged)
+    by_kind = strata(kind, lang, col(both, "tokens"), None, params.min_stratum_docs, judged)
+    out["align_last_zk"] = robust_z(out["align_last"], by_kind, judged)
+    out["align_mean_zk"] = robust_z(out["align_mean"], by_kind, judged)
     out["loss"], out["grad_norm"] = col(both, "loss"), col(both, "grad_norm")
     out["loss_z"] = robust_z(out["loss"], groups, judged)
     out["grad_norm_z"] = robust_z(out["grad_norm"], groups, judged)
@@ -147,6 +150,8 @@ def aucs(sig: dict[str, np.ndarray]) -> dict[str, float]:
         "alignment, mean of checkpoints": -sig["align_mean"],
         "alignment z in stratum, last checkpoint": -sig["align_last_z"],
         "alignment z in stratum, mean of checkpoints": -sig["align_mean_z"],
+        "alignment z in kind, last checkpoint": -sig["align_last_zk"],
+        "alignment z in kind, mean of checkpoints": -sig["align_mean_zk"],
         "loss (high)": sig["loss"],
         "|loss z| in stratum (both ends)": np.abs(sig["loss_z"]),
         "grad norm (high)": sig["grad_norm"],

@@ -99,17 +99,20 @@ def length_band(tokens: np.ndarray, edges: list[int]) -> np.ndarray:
     return np.searchsorted(np.asarray(sorted(edges), dtype=np.float64), np.nan_to_num(tokens), side="right")
 
 
-def strata(kind: np.ndarray, lang: np.ndarray, tokens: np.ndarray, edges: list[int], min_docs: int,
+def strata(kind: np.ndarray, lang: np.ndarray, tokens: np.ndarray, edges: list[int] | None, min_docs: int,
            judged: np.ndarray) -> np.ndarray:
     """Each document's stratum: kind/lang/length band, or the finest coarser level with enough documents.
 
     A stratum of fewer than `min_docs` judged documents has no stable median
     or MAD, so its members fall back to kind/band, then kind, then "all".
+    `edges` None: kind alone (or "all").
     """
     kind = np.array(["?" if k is None else str(k) for k in kind], dtype=object)
     lang = np.array(["?" if v is None else str(v) for v in lang], dtype=object)
-    band = np.array([f"len{b}" for b in length_band(tokens, edges)], dtype=object)
+    band = np.array([f"len{b}" for b in length_band(tokens, edges or [])], dtype=object)
     levels = [np.full(len(kind), "all", dtype=object), kind, kind + "/" + band, kind + "/" + lang + "/" + band]
+    if edges is None:
+        levels = levels[:2]
     chosen = levels[0].copy()
     for level in levels[1:]:
         keys, inverse = np.unique(level.astype(str), return_inverse=True)
@@ -332,6 +335,9 @@ class AlignmentFilter:
     high_z: float | None = None
     length_bands: tuple[int, ...] = (256, 2048)
     min_stratum_docs: int = 20
+    #: "kind_lang_band": the z within `strata` (kind x language x length band); "kind": within kind
+    #: alone (a kind of fewer than min_stratum_docs judged documents joins "all").
+    z_strata: str = "kind_lang_band"
     name: str = NAME
 
     def apply(self, batch: pa.RecordBatch | pa.Table) -> FilterResult:
@@ -344,7 +350,8 @@ class AlignmentFilter:
             drops.append((has & (value < self.threshold), f"{NAME}:alignment"))
             scores["alignment_threshold"] = _threshold(self.threshold, has)
         if self.low_z is not None or self.high_z is not None:
-            groups = strata(_np(batch, "kind"), _np(batch, "lang"), _np(batch, "tokens"), list(self.length_bands),
+            bands = list(self.length_bands) if self.z_strata == "kind_lang_band" else None
+            groups = strata(_np(batch, "kind"), _np(batch, "lang"), _np(batch, "tokens"), bands,
                             self.min_stratum_docs, has)
             z = robust_z(value, groups, has)
             scores["alignment_z"] = np.where(has, z, np.nan)
@@ -483,7 +490,8 @@ def build_dynamic_filters(params) -> list:
     bands, min_docs = tuple(params.length_bands), params.min_stratum_docs
     return [
         NonFiniteFilter(),
-        AlignmentFilter(params.alignment_threshold, params.alignment_low_z, params.alignment_high_z, bands, min_docs),
+        AlignmentFilter(params.alignment_threshold, params.alignment_low_z, params.alignment_high_z, bands, min_docs,
+                        params.alignment_z_strata),
         SkippedStepFilter(params.skipped_step_z),
         StratumOutlierFilter("loss", params.loss_high_z, params.loss_low_z, bands, min_docs),
         StratumOutlierFilter("grad_norm", params.grad_norm_high_z, None, bands, min_docs),

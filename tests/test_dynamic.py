@@ -144,6 +144,25 @@ def test_stratified_alignment_judges_a_kind_against_its_own_kind():
     assert not dropped(signals, AlignmentFilter(threshold=None, low_z=3.5, high_z=None).apply(signals))
 
 
+def test_alignment_z_within_kind_alone_when_asked():
+    # Long code documents line up more than short ones (0.20 vs 0.12). Within kind x language x
+    # length band, a long one at 0.12 is far below its band; within kind alone it is a typical code
+    # document. "kind" is the z of the cosine among the judged documents of the same kind, nothing finer.
+    long = {f"c{i}": {"tokens": 5000, "alignment": 0.20 + 0.01 * np.sin(i)} for i in range(20, 40)}
+    long["c25"] = {"tokens": 5000, "alignment": 0.12}
+    signals = document_signals(score_table(score_rows(overrides=long)), None, checkpoints=[300])
+    banded = AlignmentFilter(threshold=None, low_z=3.5, length_bands=(256, 2048)).apply(signals)
+    assert "c25" in dropped(signals, banded)
+    by_kind = AlignmentFilter(threshold=None, low_z=3.5, length_bands=(256, 2048), z_strata="kind").apply(signals)
+    assert "c25" not in dropped(signals, by_kind)
+    value = signals.column("alignment").to_numpy()
+    want = robust_z(value, np.array(signals.column("kind").to_pylist(), dtype=object), np.ones(len(value), bool))
+    np.testing.assert_allclose(by_kind.scores["alignment_z"], want, rtol=1e-12)
+    assert build_dynamic_filters(DynamicParams(alignment_z_strata="kind"))[1].z_strata == "kind"
+    with pytest.raises(AssayError, match="alignment_z_strata must be kind_lang_band or kind"):
+        DynamicParams(alignment_z_strata="source")
+
+
 def test_reference_documents_are_never_judged():
     overrides = {"c0": {"alignment": -0.5, "loss": 50.0, "grad_norm": 40.0, "reference": True},
                  "t0": {"loss": float("nan"), "reference": True}}

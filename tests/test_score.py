@@ -96,6 +96,30 @@ def test_dot_and_cosine_match_autograd_of_each_documents_own_loss(variant, metho
     assert oracle.alignment[real].abs().min() > 1e-3
 
 
+@pytest.mark.parametrize("method", ["ghost", "materialise"])
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_several_references_per_document_in_one_backward(variant, method):
+    """A 2-D doc_reference: each document against J references (score.components), in one backward."""
+    model = build(torch.float64, **VARIANTS[variant])
+    tokens, targets, mask = batch()
+    refs = [real_gradient(model, 1), real_gradient(model, 5), random_gradient(model, 2)]
+    doc_reference = torch.tensor([[0, 1], [2, 2], [1, 0]])  # a repeat, and the columns in either order
+    stats = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference,
+                                   method=method, weight_grads=False)
+    oracle = per_document_alignment_reference(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference)
+    assert stats.alignment.shape == stats.grad_dot.shape == oracle.alignment.shape == (N_DOCS, 2)
+    scale = oracle.grad_norm[:, None] * References(refs).norms[doc_reference]  # the scale of a dot's terms
+    assert ((stats.grad_dot - oracle.grad_dot).abs() <= 1e-6 * scale).all(), (stats.grad_dot, oracle.grad_dot)
+    torch.testing.assert_close(stats.alignment, oracle.alignment, rtol=0, atol=1e-6)
+    for j in range(2):  # each column is what a 1-D doc_reference gives
+        one = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference[:, j],
+                                     method=method, weight_grads=False)
+        torch.testing.assert_close(stats.alignment[:, j], one.alignment, rtol=1e-10, atol=1e-12)
+    assert (stats.alignment[0, 0] - stats.alignment[0, 1]).abs() > 1e-3  # two real, different references
+    with pytest.raises(ValueError, match="doc_reference must be"):
+        per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference[:2])
+
+
 def test_alignment_leaves_grad_as_a_plain_backward():
     model = build(torch.float64)
     twin = copy.deepcopy(model)
@@ -350,6 +374,66 @@ def test_adam_preconditioned_alignment_is_the_cosine_with_p_g(tiny, scored, tmp_
         assert row["alignment"] == pytest.approx(float(g @ pg / (g.norm() * pg.norm())), abs=1e-4)
         moved += abs(row["alignment"] - raw[row["sample_id"]]) > 1e-3
     assert moved >= len(docs) // 2  # P is far from a constant: the preconditioned cosine is another signal
+
+
+def test_components_give_each_document_its_best_cosine_with_one_source(tiny, scored, tmp_path):
+    """score.components: source: per stratum, each reference source with min_stratum_docs documents is a
+    component (the token-weighted gradient of its documents); a document's alignment is its best cosine
+    with its stratum's components, all recomputed by plain autograd."""
+    from training.score import read_scores, score_dataset
+
+    assert ScoringParams().components == "source"  # the default
+    with pytest.raises(AssayError, match="score.components must be none or source"):
+        score_params(components="kind")
+    reference = {"man": 0.7, "pypi-description": 1.0, "python-stdlib": 0.3}
+    out = tmp_path / "scores"
+    params = score_params(components="source", reference=reference, min_stratum_docs=2)
+    manifest = score_dataset(tiny["run"], tiny["data"], out, params, progress=False)
+    table = read_scores(out).to_pylist()
+    ck, model, _, docs = _autograd_gradients(tiny, table, n_docs=40)
+    source = {document_id(s, loc): s for s, loc, *_ in tiny["rows"]}
+    texts = {document_id(s, loc): text for s, loc, text, *_ in tiny["rows"]}
+    from training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny["run"])
+
+    def own(doc_id):
+        rows = build_rows([(doc_id, texts[doc_id])], tok, 32)
+        b = make_batch(rows, np.flatnonzero(rows.doc == 0)[:3])
+        n = int(b.loss_mask.sum())
+        model.zero_grad(set_to_none=True)
+        (token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / n).backward()
+        return torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]), n
+
+    components: dict[str, list[torch.Tensor]] = {}
+    for kind in ("text", "code"):
+        by_source: dict[str, list] = {}
+        for r in table:
+            if r["reference"] and r["kind"] == kind:
+                by_source.setdefault(source[r["sample_id"]], []).append(own(r["sample_id"]))
+        components[kind] = [sum(g * n for g, n in gs) / sum(n for _, n in gs) for gs in by_source.values()
+                            if len(gs) >= 2]
+    assert len(components["text"]) == 2 and len(components["code"]) == 1  # man pages and package docs
+    assert manifest["strata"]["by_step"]["10"]["strata"]["text"]["components"] == ["text|man", "text|pypi-description"]
+    one = {r["sample_id"]: r["alignment"] for r in read_scores(_score_once(tiny, tmp_path, reference)).to_pylist()}
+    moved = 0
+    for row, loss, _, g in docs:
+        cosines = [float(g @ c / (g.norm() * c.norm())) for c in components[row["stratum"]]]
+        assert row["loss"] == pytest.approx(loss, rel=1e-5)
+        assert row["alignment"] == pytest.approx(max(cosines), abs=1e-4)
+        assert row["grad_dot"] == pytest.approx(float(g @ components[row["stratum"]][int(np.argmax(cosines))]),
+                                                rel=1e-3, abs=1e-6)
+        moved += abs(row["alignment"] - one[row["sample_id"]]) > 1e-3
+    assert sum(r["stratum"] == "text" for r, *_ in docs) >= 3 and moved >= 3  # one reference per stratum differs
+
+
+def _score_once(tiny, tmp_path, reference) -> Path:
+    from training.score import score_dataset
+
+    out = tmp_path / "scores-one"
+    score_dataset(tiny["run"], tiny["data"], out,
+                  score_params(reference=reference, min_stratum_docs=2, components="none"), progress=False)
+    return out
 
 
 def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):

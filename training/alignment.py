@@ -31,6 +31,11 @@ Documents may be judged against different references (strata: text against text,
 against code): ``doc_reference[d]`` picks the reference of document ``d``, and a layer
 does one product per reference present in the batch, on that reference's rows only, so
 the cost does not grow with the number of strata.
+
+A document may also be compared with several references at once (``doc_reference`` of shape
+``(n_docs, J)``: the components of a mixed clean set, e.g. man pages and package documentation
+for prose): one observer per column, in the same backward, so each column costs one more
+product per layer, and the dots and cosines come back as ``(n_docs, J)``.
 """
 
 from __future__ import annotations
@@ -64,8 +69,8 @@ __all__ = [
 class AlignmentStats(DocumentStats):
     """DocumentStats plus, per document, ``grad L_d · G`` and its cosine with ``G``."""
 
-    grad_dot: torch.Tensor | None = None  # (n_docs,) float64
-    alignment: torch.Tensor | None = None  # (n_docs,) float64, NaN for empty documents or G = 0
+    grad_dot: torch.Tensor | None = None  # (n_docs,) float64; (n_docs, J) for a 2-D doc_reference
+    alignment: torch.Tensor | None = None  # the same shape, NaN for empty documents or G = 0
 
 
 def gradient_norm(reference: Mapping[str, torch.Tensor]) -> float:
@@ -184,8 +189,9 @@ def _doc_reference(doc_reference: torch.Tensor | None, n_docs: int, k: int, devi
     if doc_reference is None:
         return torch.zeros(n_docs, dtype=torch.long, device=device)
     doc_reference = doc_reference.to(device)
-    if doc_reference.shape != (n_docs,):
-        raise ValueError(f"doc_reference must be ({n_docs},), got {tuple(doc_reference.shape)}")
+    if doc_reference.shape[:1] != (n_docs,) or doc_reference.dim() not in (1, 2) \
+            or (doc_reference.dim() == 2 and doc_reference.shape[1] == 0):
+        raise ValueError(f"doc_reference must be ({n_docs},) or ({n_docs}, J), got {tuple(doc_reference.shape)}")
     if n_docs and (int(doc_reference.min()) < 0 or int(doc_reference.max()) >= k):
         raise ValueError(f"doc_reference must lie in [0, {k})")
     return doc_reference
@@ -208,6 +214,8 @@ def per_document_alignment(
     """One forward and one backward: every document's loss, ``||grad L_d||``, ``grad L_d · G``
     and the cosine, where ``G = references[doc_reference[d]]`` (a mapping from parameter name
     to a tensor of the parameter's shape; default: ``references[0]`` for every document).
+    A 2-D ``doc_reference`` ``(n_docs, J)`` compares every document with J references (a row may
+    repeat one), and ``grad_dot`` and ``alignment`` are ``(n_docs, J)``.
 
     Leaves ``.grad`` as ``(loss * loss_scale).backward()`` would, like
     :func:`training.grad_norms.per_document_loss_and_grad_norm`. Pass a :class:`References`
@@ -232,19 +240,26 @@ def per_document_alignment(
         stats.batch_loss = loss.detach()
         return stats
 
-    row_reference = doc_reference.to(device)[doc_index]
-    dots = _Dots(model, references, row_reference, tokens.shape[0], device)
-    dots.doc_reference = doc_reference
-    dots.per_doc = torch.zeros(n_docs, dtype=torch.float64, device=device)
+    columns = doc_reference.reshape(n_docs, -1).T  # (J, n_docs): one observer per column
+    observers = []
+    for column in columns:
+        dots = _Dots(model, references, column[doc_index], tokens.shape[0], device)
+        dots.doc_reference = column
+        dots.per_doc = torch.zeros(n_docs, dtype=torch.float64, device=device)
+        observers.append(dots)
     stats = per_document_loss_and_grad_norm(model, tokens, targets, loss_mask, doc_index, n_docs,
-                                            loss_scale=loss_scale, method=method, observers=[dots],
+                                            loss_scale=loss_scale, method=method, observers=observers,
                                             weight_grads=weight_grads)
-    raw = dots.per_doc.index_add_(0, doc_index, dots.per_row)
+    raw = torch.stack([d.per_doc.index_add_(0, doc_index, d.per_row) for d in observers], 1)
     n_d = stats.tokens.double()
-    grad_dot = (raw * (n_d.sum() / (n_d * loss_scale))).masked_fill(stats.tokens == 0, float("nan"))
+    grad_dot = (raw * (n_d.sum() / (n_d * loss_scale))[:, None]).masked_fill((stats.tokens == 0)[:, None],
+                                                                           float("nan"))
+    alignment = grad_dot / (stats.grad_norm[:, None] * norms[columns.T])
+    if doc_reference.dim() == 1:
+        grad_dot, alignment = grad_dot[:, 0], alignment[:, 0]
     return AlignmentStats(
         loss=stats.loss, grad_norm=stats.grad_norm, tokens=stats.tokens, batch_loss=stats.batch_loss,
-        grad_dot=grad_dot, alignment=grad_dot / (stats.grad_norm * norms[doc_reference]),
+        grad_dot=grad_dot, alignment=alignment,
     )
 
 
@@ -259,7 +274,7 @@ def per_document_alignment_reference(
     doc_reference: torch.Tensor | None = None,
 ) -> AlignmentStats:
     """Brute force: per document, ``torch.autograd.grad`` of its own ``L_d`` flattened and
-    dotted with its reference. Leaves ``.grad`` as it was; costs a backward per document.
+    dotted with its reference(s). Leaves ``.grad`` as it was; costs a backward per document.
     The test oracle and the benchmark's naive baseline."""
     device = tokens.device
     if not isinstance(references, References):
@@ -270,21 +285,26 @@ def per_document_alignment_reference(
     mask = loss_mask.bool()
     doc_tokens = torch.zeros(n_docs, dtype=torch.long, device=device).index_add_(0, doc_index, mask.sum(1))
     loss = torch.full((n_docs,), float("nan"), dtype=torch.float64, device=device)
-    grad_norm, grad_dot, alignment = loss.clone(), loss.clone(), loss.clone()
+    grad_norm = loss.clone()
+    slots = doc_reference.reshape(n_docs, -1)
+    grad_dot = torch.full(slots.shape, float("nan"), dtype=torch.float64, device=device)
+    alignment = grad_dot.clone()
     token_loss = token_losses(model(tokens), targets, mask)
     docs = [d for d in range(n_docs) if doc_tokens[d] > 0]
     for i, d in enumerate(docs):
         loss_d = token_loss[doc_index == d].sum() / doc_tokens[d]
         grads = torch.autograd.grad(loss_d, [params[n] for n in names], allow_unused=True,
                                     retain_graph=i + 1 < len(docs))
-        k = int(doc_reference[d])
         flat = torch.cat([(g if g is not None else torch.zeros_like(params[n])).double().reshape(-1)
                           for n, g in zip(names, grads)])
-        flat_ref = torch.cat([references.stacked[n][k].double().reshape(-1).to(device) for n in names])
         loss[d] = loss_d.detach().double()
         grad_norm[d] = flat.norm()
-        grad_dot[d] = flat @ flat_ref
-        alignment[d] = grad_dot[d] / (grad_norm[d] * flat_ref.norm())
+        for j, k in enumerate(slots[d].tolist()):
+            flat_ref = torch.cat([references.stacked[n][k].double().reshape(-1).to(device) for n in names])
+            grad_dot[d, j] = flat @ flat_ref
+            alignment[d, j] = grad_dot[d, j] / (grad_norm[d] * flat_ref.norm())
+    if doc_reference.dim() == 1:
+        grad_dot, alignment = grad_dot[:, 0], alignment[:, 0]
     n_d = doc_tokens.double()
     batch_loss = (loss.nan_to_num() * n_d).sum() / n_d.sum()
     return AlignmentStats(loss=loss, grad_norm=grad_norm, tokens=doc_tokens, batch_loss=batch_loss,

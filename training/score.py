@@ -12,7 +12,11 @@ ids go to ``OUT/reference.txt`` and the manifest. Its documents are scored like 
 but marked ``reference=True``: the dynamic filter never judges them. Its gradient is the
 gradient of its mean token loss, per stratum (``score.strata``: one for all, per kind,
 or per kind x language), so documentation is judged against documentation and code
-against code.
+against code. With ``score.components: source`` (the default) a stratum keeps one
+reference gradient per source with ``min_stratum_docs`` reference documents in it, and a
+document's alignment is its best cosine with one of them (nearest component: package
+documentation against package documentation, man pages against man pages), all in the
+same backward.
 
 Output, in ``OUT``::
 
@@ -346,6 +350,8 @@ def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, param
     for j, pos in enumerate(scored.pos):
         k, g = docs.kind[pos], docs.lang[pos]
         doc_stratum_key[j] = f"{k}/{g}" if params.strata == "kind_lang" else k if params.strata == "kind" else ALL
+        if params.components == "source":  # finest groups by source too: each may be a component
+            doc_stratum_key[j] += f"|{docs.source[pos]}"
     sums: dict[str, dict[str, torch.Tensor]] = {}
     tokens: dict[str, int] = {}
     n_docs: dict[str, int] = {}
@@ -373,15 +379,44 @@ def _reference_gradients(model: Transformer, scored: _Scored, docs: _Docs, param
         n = sum((tokens if params.reference_aggregate == "tokens" else n_docs)[g] for g in groups)
         return {name: (sum(sums[g][name] for g in groups) / max(n, 1)).float() for name in names}
 
+    def describe(groups: list[str], grads: dict[str, torch.Tensor]) -> dict:
+        return {"reference_docs": sum(n_docs[g] for g in groups), "reference_tokens": sum(tokens[g] for g in groups),
+                "gradient_norm": float(sum(t.double().pow(2).sum() for t in grads.values())) ** 0.5}
+
     strata = sorted(set(docs.stratum))
     out, info = {}, {}
     for s in strata:
-        members = [g for g in sums if s == ALL or g == s or g.split("/")[0] == s]
+        members = [g for g in sums if s == ALL or g.split("|")[0] == s or g.split("|")[0].split("/")[0] == s]
         out[s] = combine(members)
-        info[s] = {"reference_docs": sum(n_docs[g] for g in members),
-                   "reference_tokens": sum(tokens[g] for g in members),
-                   "gradient_norm": float(sum(t.double().pow(2).sum() for t in out[s].values())) ** 0.5}
+        info[s] = describe(members, out[s])
+        info[s]["components"] = [s]
+        if params.components == "source":
+            by_source: dict[str, list[str]] = {}
+            for g in members:
+                by_source.setdefault(g.split("|")[1], []).append(g)
+            big = [src for src, groups in sorted(by_source.items())
+                   if sum(n_docs[g] for g in groups) >= params.min_stratum_docs]
+            if big:  # else the stratum's whole reference is its one component
+                info[s]["components"] = [f"{s}|{src}" for src in big]
+                for src in big:
+                    out[f"{s}|{src}"] = combine(by_source[src])
+                    info[f"{s}|{src}"] = describe(by_source[src], out[f"{s}|{src}"])
     return out, info
+
+
+def _stack_references(grads: dict[str, dict[str, torch.Tensor]], info: dict, strata_names: list[str],
+                      device: torch.device) -> tuple[References, dict[str, int | list[int]]]:
+    """The references to stack, and each stratum's index into them: one int per stratum, or with
+    ``score.components`` the list of its components' indices, padded to the longest by repeating
+    its first (a repeat cannot change a document's best cosine)."""
+    components = {s: info[s].get("components", [s]) for s in strata_names}
+    if all(c == [s] for s, c in components.items()):
+        return References([grads[s] for s in strata_names], device=device), {s: k for k, s in enumerate(strata_names)}
+    names = sorted({c for cs in components.values() for c in cs})
+    width = max(len(cs) for cs in components.values())
+    index = {s: [names.index(c) for c in cs] + [names.index(cs[0])] * (width - len(cs))
+             for s, cs in components.items()}
+    return References([grads[n] for n in names], device=device), index
 
 
 def _reference_row_weights(model: Transformer, batch, aggregate: str, precision: str,
@@ -413,8 +448,8 @@ def _subset(rows: TokenRows, doc_mask: np.ndarray) -> TokenRows:
 
 # ------------------------------------------------------------------ scoring one part
 def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: References,
-                stratum_index: dict[str, int], ref_model: Transformer | None, step: int, params: ScoringParams,
-                precision: str, device: torch.device, advance: Callable[[int, int], None]) -> pa.Table:
+                stratum_index: dict[str, int | list[int]], ref_model: Transformer | None, step: int,
+                params: ScoringParams, precision: str, device: torch.device, advance: Callable[[int, int], None]) -> pa.Table:
     rows = scored.rows
     n = len(rows.doc_ids)
     cols = {k: np.full(n, np.nan) for k in ("loss", "grad_norm", "grad_dot", "alignment", "ref_loss")}
@@ -427,6 +462,10 @@ def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: Re
         with precision_context(precision, device):
             stats = per_document_alignment(model, batch.tokens, batch.targets, batch.loss_mask, batch.doc_index,
                                            len(local), references, doc_reference, weight_grads=False)
+        if stats.alignment.dim() == 2:  # components: the best cosine, and the dot with that component
+            best = stats.alignment.nan_to_num(-math.inf).argmax(1, keepdim=True)
+            stats.grad_dot = stats.grad_dot.gather(1, best)[:, 0]
+            stats.alignment = stats.alignment.gather(1, best)[:, 0]
         for key in ("loss", "grad_norm", "grad_dot", "alignment"):
             cols[key][j] = getattr(stats, key).double().cpu().numpy()
         tokens[j] = stats.tokens.cpu().numpy()
@@ -544,7 +583,6 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
     seq_len, precision = int(state0["seq_len"]), without_loss_scaling(state0.get("precision", "fp32"))
     vocab = tokenizer.get_vocab_size()
     strata_names = sorted(set(docs.stratum))
-    stratum_index = {s: k for k, s in enumerate(strata_names)}
 
     todo = [(c, b) for c in range(len(checkpoints)) for b in range(n_blocks)
             if not (out / shard_name(c * n_blocks + b)).is_file()]
@@ -594,7 +632,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
                 atomic_write_bytes(cache, buffer.getvalue())
                 atomic_write_json(cache.with_suffix(".json"), info)
             strata_info[str(ck.step)] = info
-            references = References([grads[s] for s in strata_names], device=dev)
+            references, stratum_index = _stack_references(grads, info["strata"], strata_names, dev)
             for b, texts in _iter_blocks(version, params.part_docs, blocks):
                 scored = _rows_for(texts, tokenizer, seq_len, params.max_rows)
                 table = _score_rows(model, scored, docs, references, stratum_index, ref_model, ck.step, params,
