@@ -10,6 +10,7 @@ demo` reads), so they run in seconds; the full measurement is
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -122,19 +123,9 @@ def test_training_negatives_never_come_from_the_measured_part(tmp_path):
     """The head's negatives come only from the negatives share; read_pool measures exactly the rest."""
     from assay.quality.pool import read_pool
     from assay.quality.train import reference_examples
-    from assay.schema import DOCUMENT_SCHEMA
-    from assay.shards import ShardWriter, write_manifest
 
-    n = 300
     sources = ["man"] * 100 + ["doc-readme"] * 100 + ["pypi-record"] * 100
-    ids = [f"doc-{i}" for i in range(n)]
-    table = pa.table({
-        "id": ids, "text": [f"Document {i} says something." for i in range(n)], "kind": ["text"] * n,
-        "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n,
-    })
-    with ShardWriter(tmp_path / "raw", DOCUMENT_SCHEMA) as writer:
-        writer.write(table)
-    write_manifest(tmp_path / "raw", {"documents": n})
+    ids = _write_raw(tmp_path / "raw", sources, "Document {i} says something.")
     params = Params()
     params.quality.reference_sources = ["man"]
     params.quality.negatives_per_positive = 10.0  # take every negative allowed
@@ -639,20 +630,9 @@ def test_provenance_labels_make_the_pools_good_kinds_positives(tmp_path):
     """quality.provenance_labels: in the negatives part, good kinds are positives, unlabelled kinds are left
     out, junk kinds and sources the pool does not know are negatives; off, the whole part is negatives."""
     from assay.quality.train import reference_examples
-    from assay.schema import DOCUMENT_SCHEMA
-    from assay.shards import ShardWriter, write_manifest
-
     sources = (["man"] * 60 + ["doc-readme"] * 100 + ["pypi-record"] * 100 + ["doc-changelog"] * 100
                + ["web"] * 100)
-    n = len(sources)
-    ids = [f"doc-{i}" for i in range(n)]
-    table = pa.table({
-        "id": ids, "text": [f"Document {i} says something. " * 60 for i in range(n)], "kind": ["text"] * n,
-        "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n,
-    })
-    with ShardWriter(tmp_path / "raw", DOCUMENT_SCHEMA) as writer:
-        writer.write(table)
-    write_manifest(tmp_path / "raw", {"documents": n})
+    ids = _write_raw(tmp_path / "raw", sources, "Document {i} says something. " * 60)
     params = Params()
     params.quality.reference_sources = ["man"]
     params.quality.negatives_per_positive = 10.0  # every negative allowed
@@ -672,3 +652,20 @@ def test_provenance_labels_make_the_pools_good_kinds_positives(tmp_path):
     pool_positives = {i for i, lab in zip(labelled.ids, labelled.labels) if lab and source_of[i] == "doc-readme"}
     assert pool_positives == {i for i in ids if source_of[i] == "doc-readme" and part[i]}
     assert labelled.calibration.ids == recipe.calibration.ids  # the dev part is read as before
+
+
+def _write_raw(out: Path, sources: list[str], text: str) -> list[str]:
+    """A raw dataset of one text document per source entry (`text` formatted with its index); returns the ids."""
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter, write_manifest
+
+    n = len(sources)
+    ids = [f"doc-{i}" for i in range(n)]
+    table = pa.table({
+        "id": ids, "text": [text.format(i=i) for i in range(n)], "kind": ["text"] * n,
+        "lang": ["en"] * n, "source": sources, "path": [f"d{i}" for i in range(n)], "meta": ["{}"] * n,
+    })
+    with ShardWriter(out, DOCUMENT_SCHEMA) as writer:
+        writer.write(table)
+    write_manifest(out, {"documents": n})
+    return ids
