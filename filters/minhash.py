@@ -126,12 +126,8 @@ def _code_point_numbers() -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _code_points() -> pa.Array:
     """`_code_point_numbers` as a string array, one character a row."""
-    cps = _code_point_numbers()
-    chars = "".join(map(chr, cps.tolist())).encode("utf-8")
-    sizes = np.where(cps < 0x800, 2, np.where(cps < 0x10000, 3, 4))
-    offsets = np.zeros(len(cps) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    return pa.LargeStringArray.from_buffers(len(cps), pa.py_buffer(offsets), pa.py_buffer(chars))
+    # Built by Arrow (padded buffers): its string kernels may read past the end of a bare numpy buffer.
+    return pa.array(list(map(chr, _code_point_numbers().tolist())), pa.large_string())
 
 
 @functools.lru_cache(maxsize=None)

@@ -841,12 +841,17 @@ def reflow_hard_wrapped(texts: pa.Array, min_width: int, max_width: int) -> pa.A
     offset_type = np.int64 if pa.types.is_large_string(texts.type) else np.int32
     text_offsets = np.frombuffer(buffers[1], dtype=offset_type)[: len(texts) + 1].astype(np.int64)
     newline = text_offsets[row[here[join]]] + end_in_row[here[join]] - 1
-    data = np.frombuffer(buffers[2], dtype=np.uint8).copy()
+    # The copy goes into a buffer from Arrow's allocator, which pads it: Arrow's string kernels may read a
+    # few bytes past the last string (utf8_split_whitespace did: on a bare numpy copy the last text's
+    # split depended on whatever memory followed, and so, under threads, on the other thread's work).
+    out = pa.allocate_buffer(buffers[2].size)
+    data = np.frombuffer(out, dtype=np.uint8)
+    data[:] = np.frombuffer(buffers[2], dtype=np.uint8)
     data[newline] = 0x20
     cr = newline[(newline > 0)]
     cr = cr[data[cr - 1] == 0x0D]
     data[cr - 1] = 0x20
-    return pa.Array.from_buffers(texts.type, len(texts), [buffers[0], buffers[1], pa.py_buffer(data)],
+    return pa.Array.from_buffers(texts.type, len(texts), [buffers[0], buffers[1], out],
                                  null_count=texts.null_count)
 
 

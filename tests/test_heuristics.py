@@ -577,3 +577,37 @@ def test_source_rules_accept_patterns_and_the_defaults_judge_plain_text_files_by
     })
     result = apply_by_source(build_heuristics(defaults.heuristics), b, defaults.source_rules)
     assert result.reason == [None, "c4:curly_bracket"]
+
+
+def test_reflowed_text_splits_alike_on_every_thread():
+    """Reflowing copies the text into a buffer Arrow allocates (padded). It was a bare numpy copy, and
+    Arrow's whitespace split, which may read past the last string, then split the batch's last text by
+    whatever memory followed: under two threads the word counts of FineWeb's `list_ratio` changed from
+    run to run (a crash-resume test caught one document)."""
+    import threading
+
+    from filters.text_units import BatchText
+
+    paragraph = ("The quick brown fox jumps over the lazy dog near the river bank while the\n"
+                 "farmer watches from the old wooden fence and counts his sheep again.\n")
+    batches = [pa.array([paragraph * (3 + (k + j) % 5) + f"       2001 Someone\n\n14 November 2005    UPDATE-RC.D({k})\n"
+                         for j in range(6)], pa.large_string()) for k in range(6)]
+
+    def counts(texts: pa.Array) -> list[int]:
+        words = BatchText(texts).plain().reflowed(60, 100).words
+        return np.diff(words.offsets).tolist()
+
+    expected = [counts(b) for b in batches]
+    for _ in range(30):
+        got: list = [None] * len(batches)
+
+        def work(part: list[int]) -> None:
+            for i in part:
+                got[i] = counts(batches[i])
+
+        threads = [threading.Thread(target=work, args=(list(range(j, len(batches), 2)),)) for j in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == expected
