@@ -369,8 +369,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
                     loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens)
                 else:
-                    # fp16: the backward runs on the loss times the scaler's scale (1 when disabled).
-                    scale = local.loss_scale * (scaler.get_scale() if scaler.is_enabled() else 1.0)
+                    # fp16: the backward runs on the loss times the scaler's scale (get_scale() is 1 when disabled).
+                    scale = local.loss_scale * scaler.get_scale()
                     loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, scale)
             doc_loss, doc_tokens = par.document_losses(doc_loss, doc_tokens)
             loss = par.global_loss(loss, batch.n_tokens, local.global_tokens)

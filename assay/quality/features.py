@@ -113,6 +113,15 @@ def reusable_filters(filters: Sequence, markup: bool) -> list[str]:
             if f.name in own and type(f) is type(own[f.name]) and vars(f) == vars(own[f.name])]
 
 
+#: The scores each of `_shape_filters` contributes, by filter name.
+_SHAPE_SCORES: dict[str, tuple[str, ...]] = {
+    "gopher_quality": ("alpha_words_frac", "stop_words", "mean_word_length", "word_count", "hash_word_ratio",
+                       "bullet_lines_frac"),
+    "gopher_repetition": ("dup_line_frac", "dup_line_char_frac", "top_2_gram_char_frac", "dup_5_gram_char_frac"),
+    "records": ("field_lines_frac",),
+}
+
+
 def shape_features(texts: Sequence[str], markup: bool = False,
                    known: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
     """(len(texts), len(SHAPE_FEATURES)) float32: each text's shape statistics (see SHAPE_FEATURES).
@@ -128,7 +137,7 @@ def shape_features(texts: Sequence[str], markup: bool = False,
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from filters.gopher import GopherQualityFilter
+    from assay.config import GopherQualityParams
 
     n = len(texts)
     if n == 0:
@@ -158,7 +167,7 @@ def shape_features(texts: Sequence[str], markup: bool = False,
     visible = length - np.asarray(pc.count_substring_regex(array, pattern=r"\s"), dtype=np.float64)
     letters = np.asarray(pc.utf8_length(pc.replace_substring_regex(array, pattern=r"[^\pL]+", replacement="")),
                          dtype=np.float64)
-    stop_words = len(GopherQualityFilter().params.stop_words)
+    stop_words = len(GopherQualityParams().stop_words)
     columns = {
         "alpha_words_frac": get("gopher_quality:alpha_words_frac"),
         "stop_words": get("gopher_quality:stop_words") / stop_words,
@@ -174,15 +183,6 @@ def shape_features(texts: Sequence[str], markup: bool = False,
         "letter_frac": np.divide(letters, visible, out=np.zeros(n), where=visible > 0),
     }
     return np.stack([columns[name] for name in SHAPE_FEATURES], axis=1).astype(np.float32)
-
-
-#: The scores each of `_shape_filters` contributes, by filter name.
-_SHAPE_SCORES: dict[str, tuple[str, ...]] = {
-    "gopher_quality": ("alpha_words_frac", "stop_words", "mean_word_length", "word_count", "hash_word_ratio",
-                       "bullet_lines_frac"),
-    "gopher_repetition": ("dup_line_frac", "dup_line_char_frac", "top_2_gram_char_frac", "dup_5_gram_char_frac"),
-    "records": ("field_lines_frac",),
-}
 
 
 def with_shape(words: torch.Tensor, shape: np.ndarray, scale: float) -> torch.Tensor:
