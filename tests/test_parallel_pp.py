@@ -13,6 +13,9 @@ fp32 tolerances: the stages add the same terms in another order (micro-batch by 
 DP × PP (4 ranks: pp=2 × dp=2): FSDP × PP and DDP × PP, every schedule, against one process (step-1
 gradients for GPipe/1F1B; losses, parameters, per-document losses, the held-out loss; through
 `assay train` once), and a resume resharded from FSDP × PP to DDP × PP.
+
+TP × PP: pp 2 × tp 2 (4 ranks, through `assay train --tp 2 --pp 2`) and FSDP × TP × PP (dp_shard 2 × tp 2 ×
+pp 2, 8 ranks) with the DP × PP checks plus each step's gradient norm; a V schedule at tp 2 × pp 2.
 """
 
 from __future__ import annotations
@@ -196,10 +199,25 @@ def test_without_trimming_passes_stay_full_width_and_exact_multiples():
 # ----------------------------------------------------------- checks, telemetry
 def test_pipeline_layouts_that_cannot_run_are_refused():
     params = load_params(None).train
-    with pytest.raises(AssayError, match="pp combines with data parallel only"):
-        check_pipeline_layout(ParallelDims(tp=2, pp=2, world_size=4), params)
     bad = lambda **kw: type(params)(**{**params.__dict__, "parallel": type(params.parallel)(  # noqa: E731
         **{**params.parallel.__dict__, **kw})})
+    check_pipeline_layout(ParallelDims(tp=2, pp=2, world_size=4), params)  # TP × PP runs (below)
+    check_pipeline_layout(ParallelDims(dp_shard=2, tp=2, pp=2, world_size=8), params)  # FSDP × TP × PP
+    with pytest.raises(AssayError, match="with tp > 1 use the static micro-batches"):
+        check_pipeline_layout(ParallelDims(tp=2, pp=2, world_size=4), bad(pp_dynamic=True))
+    # cp and ep stay refused, by the pipeline's check and, before it, by ParallelDims.
+    for n in ("cp", "ep"):
+        dims = object.__new__(ParallelDims)  # past ParallelDims' own refusal, to reach the pipeline's
+        for field, value in {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2, "cp": 1, "ep": 1,
+                             "world_size": 4, n: 2}.items():
+            object.__setattr__(dims, field, value)
+        with pytest.raises(AssayError, match=f"pp combines with data parallel and tp only, not yet with cp or ep "
+                                             f"\\(got {{'{n}': 2}}\\)"):
+            check_pipeline_layout(dims, params)
+    with pytest.raises(AssayError, match="context parallel combines with data parallel only"):
+        ParallelDims(pp=2, cp=2, world_size=4)
+    with pytest.raises(AssayError, match="expert parallel combines with data parallel only"):
+        ParallelDims(dp_shard=2, pp=2, ep=2, world_size=4)
     check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), params)  # DP × PP runs (below)
     check_pipeline_layout(ParallelDims(dp_replicate=2, pp=2, world_size=4), params)
     with pytest.raises(AssayError, match="pp_dynamic runs with pp alone"):
@@ -376,6 +394,16 @@ def test_dp_times_pp_matches_one_process(workspace, nproc, layout, flags, tmp_pa
     loss (rtol 1e-5; the last stage of each dp rank writes its own documents), gradient norms off
     with one warning, the held-out loss and the parameter count. Step 2's batch holds one document:
     the second dp rank runs the masked placeholder row through its pipeline."""
+    metrics = _layout_matches_one_process(workspace, nproc, layout, flags, tmp_path)
+    fsdp, ddp = layout.get("dp_shard", 1) > 1, layout.get("dp_replicate", 1) > 1
+    mode = ("hsdp+pp" if ddp else "fsdp+pp") if fsdp else "ddp+pp"
+    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["world_size"] == nproc
+
+
+def _layout_matches_one_process(workspace, nproc: int, layout: dict, flags: list[str] | None,  # noqa: F811
+                                tmp_path: Path) -> dict:
+    """Step 1's loss and gradients, then 5 trainer steps of ``layout`` against one process (see
+    test_dp_times_pp_matches_one_process); returns the run's metrics."""
     from test_parallel import _torchrun
 
     root, data, params_file, single = workspace
@@ -401,11 +429,39 @@ def test_dp_times_pp_matches_one_process(workspace, nproc, layout, flags, tmp_pa
     assert_run_matches_single(run, single, params_file)
     metrics = json.loads((run / "metrics.json").read_text())
     single_metrics = json.loads((single / "metrics.json").read_text())
-    fsdp, ddp = layout.get("dp_shard", 1) > 1, layout.get("dp_replicate", 1) > 1
-    mode = ("hsdp+pp" if ddp else "fsdp+pp") if fsdp else "ddp+pp"
-    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["world_size"] == nproc
     assert metrics["parameters"] == single_metrics["parameters"]
     assert metrics["val_loss"] == pytest.approx(single_metrics["val_loss"], rel=1e-5)
+    return metrics
+
+
+TP_PP = [  # (ranks, layout, `assay train` flags (None: the worker module under torchrun), the run's mode)
+    pytest.param(4, {"tp": 2, "pp": 2, "pp_schedule": "1F1B"}, ["--tp", "2", "--pp", "2"],
+                 "tp+pp", id="tp2xpp2-1F1B-cli"),
+    pytest.param(8, {"dp_shard": 2, "tp": 2, "pp": 2, "pp_schedule": "1F1B"}, None,
+                 "fsdp+tp+pp", id="fsdp2xtp2xpp2-1F1B"),
+]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("nproc,layout,flags,mode", TP_PP)
+def test_tp_times_pp_matches_one_process(workspace, nproc, layout, flags, mode, tmp_path):  # noqa: F811
+    """Each pipeline stage's pruned model tensor + sequence parallel over its tp sub-mesh (and, on 8
+    ranks, FSDP2 over dp_shard too: FSDP × TP × PP), against one process with test_dp_times_pp's
+    checks: step 1's loss and every gradient (atol 2e-5), 5 trainer steps' losses and gradient
+    norms (rtol 1e-5), parameters after step 5 (atol 2e-5), each document's loss recorded once (by
+    the last stage's first tp rank), the held-out loss. Between stages each tp rank sends and receives its
+    (rows, 32 / 2, dim) sequence shard of the residual stream. `assay train --nproc 4 --tp 2 --pp 2`
+    with params.yaml's dp_shard -1 (here 1) is the CLI case."""
+    from test_parallel import _records
+
+    metrics = _layout_matches_one_process(workspace, nproc, layout, flags, tmp_path)
+    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["world_size"] == nproc
+    assert metrics["parallel"]["tp"] == 2 and metrics["parallel"]["pp"] == 2
+    single, run = workspace[3], tmp_path / "run"
+    # Each step's clipped gradient norm: tp shards add, tp-replicated weights (the norms') count once.
+    assert [r["grad_norm"] for r in _records(run)] == pytest.approx([r["grad_norm"] for r in _records(single)],
+                                                                     rel=1e-5)
+    assert read_telemetry(run).num_rows == read_telemetry(single).num_rows  # not once per tp rank
 
 
 @pytest.mark.parallel
@@ -443,9 +499,12 @@ def single4(workspace, tmp_path_factory):  # noqa: F811
     pytest.param({"dp_shard": 2, "pp_schedule": "InterleavedZeroBubble"}, id="fsdp2xpp2-InterleavedZeroBubble"),
     pytest.param({"dp_shard": 2, "pp_schedule": "DualPipeV"}, id="fsdp2xpp2-DualPipeV"),
     pytest.param({"dp_replicate": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble"}, id="ddp2xpp2-ZBVZeroBubble"),
+    # TP × PP with a V: two tp-sharded stages per rank, split weight backward, the held-out loss
+    # through the plain forward (its P2P buffers hold width / tp positions).
+    pytest.param({"tp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble"}, id="tp2xpp2-ZBVZeroBubble"),
 ])
 def test_two_stages_per_rank_dp_times_pp_match_one_process(single4, layout, tmp_path):
-    """The schedules holding two stages per rank (each stage module its own FSDP/replicate root),
+    """The schedules holding two stages per rank (each stage module its own FSDP/replicate root, or tp),
     a 4-layer model, 4 ranks, against one process: 5 steps' losses (rtol 1e-5), final parameters
     (atol 2e-5), each document's loss (rtol 1e-5) and the held-out loss. The zero-bubble ones
     (split input/weight backward) differed by 0.06-0.5% while FSDP resharded after each forward;

@@ -48,7 +48,7 @@ from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.parallel.distributed import init_distributed
 from training.parallel.setup import Parallel
-from training.precision import loss_scaler, precision_context, scales_loss, uses_fp8
+from training.precision import precision_context, scales_loss, uses_fp8
 from training.spikes import SpikeDetector
 from training.telemetry import TelemetryLog
 from training.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -319,7 +319,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
 
     spikes = SpikeDetector(params.telemetry.spike_window, params.telemetry.spike_sigma,
                            params.telemetry.spike_min_history)
-    scaler = loss_scaler(params.precision, dev, params.loss_scale_init)
+    scaler = par.loss_scaler(params.precision, dev, params.loss_scale_init)
     if scaler.is_enabled():
         # The backward multiplies by get_scale() inside forward_backward (the ghost norms must divide the
         # same factor out); scale() once creates the scaler's tensors, which unscale_ requires.
@@ -367,7 +367,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 # A rank without documents runs a masked placeholder row: nothing to attribute.
                 norms = par.telemetry_grad_norms(params.telemetry.grad_norms) if local.has_documents else "off"
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
-                    loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens)
+                    loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens,
+                                                                             scaler.get_scale())
                 else:
                     # fp16: the backward runs on the loss times the scaler's scale (get_scale() is 1 when disabled).
                     scale = local.loss_scale * scaler.get_scale()

@@ -1,9 +1,10 @@
-"""Run under torchrun by tests/test_parallel_pp.py: step 1's gradients under DP × PP.
+"""Run under torchrun by tests/test_parallel_pp.py: step 1's gradients under DP × PP or TP × PP.
 
 Builds the tiny model exactly as the trainer does, applies the layout (pipeline stages, each
-wrapped over its dp sub-mesh), runs step 1 through the pipeline on this dp rank's rows and writes,
-from rank 0, the global loss and every parameter's full gradient (FSDP shards gathered over dp,
-stages gathered over pp), to be compared with one process (tests/parallel/grad_worker.py "{}").
+tensor-parallel over its tp sub-mesh and wrapped over its dp sub-mesh), runs step 1 through the
+pipeline on this dp rank's rows and writes, from rank 0, the global loss and every parameter's
+full gradient (FSDP and tp shards gathered, stages gathered over pp), to be compared with one
+process (tests/parallel/grad_worker.py "{}").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from training.parallel.distributed import shutdown
 
 def main(data: str, run: str, params_file: str, overrides: str, out: str) -> None:
     _, world, par, model, local = step_one(data, run, params_file, overrides, out)
-    assert par.pipelined and par.dims.dp > 1, par.describe()
+    assert par.pipelined and (par.dims.dp > 1 or par.dims.tp > 1), par.describe()
     loss, *_ = par.pipeline.step(local.batch, local.global_tokens)
     loss = par.global_loss(loss, local.batch.n_tokens, local.global_tokens)
     grads = full_grads(model)  # over this stage's dp ranks

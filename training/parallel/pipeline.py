@@ -27,6 +27,13 @@ each micro-batch's loss is dp × its token-loss sum over the whole step's token 
 wrappers average over dp). All six schedules; static micro-batches and dense models only
 (``check_pipeline_layout`` says why).
 
+TP × PP (torchtitan's): after the split, the tensor + sequence parallel plan is applied to the
+pruned model over the tp sub-mesh (the mesh is ``pp, dp…, tp``: each pp group has one tp
+coordinate, so a stage's P2P peers hold the same shards). The residual stream stays a plain
+local tensor split along the sequence, so a stage sends and receives (rows, width / tp, dim);
+the stages' static shapes say so. With FSDP too (FSDP × TP × PP) FSDP2 shards the tp shards
+over dp_shard, as without pp. Static micro-batches only (their width is the whole row).
+
 Micro-batches: each pass of a plan (training.parallel.microbatch) is one ``schedule.step``
 of equal-shape micro-batches; a stage set (recv buffers of one size) is built per pass
 shape and cached. Every stage times its forward and backward per micro-batch and counts
@@ -53,6 +60,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from assay.errors import AssayError
 from training.data import Batch
@@ -168,6 +176,15 @@ class _Live:
         self.peak = max(self.peak, self.now)
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The memory ``t`` holds. tp: a DTensor (and the async collective result inside one) is a
+    wrapper without storage of its own; its innermost plain tensor holds the bytes."""
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t.untyped_storage()
+
+
 class _MeteredStage(PipelineStage):
     """A PipelineStage that times each micro-batch's forward and backward and counts the
     bytes autograd saves for its backward (parameters and buffers excluded)."""
@@ -188,7 +205,7 @@ class _MeteredStage(PipelineStage):
         seen: set[int] = set()
 
         def pack(t: torch.Tensor):
-            storage = t.untyped_storage()
+            storage = _storage(t)
             ptr = storage.data_ptr()
             if ptr not in self.own and ptr not in seen:
                 seen.add(ptr)
@@ -287,6 +304,30 @@ class Pipeline:
         # DP × PP (apply_data_parallel): dp ranks whose gradients the wrappers average, and the
         # group over which a stage's parameters are sharded (their squared norms add over it).
         self.dp, self.shard_group = 1, None
+        # TP × PP (apply_tensor_parallel): the residual stream between stages is split along the
+        # sequence over tp ranks (sequence parallel), so a stage boundary carries width / tp positions.
+        self.tp = 1
+
+    def apply_tensor_parallel(self, tp_mesh) -> None:
+        """torchtitan's TP × PP: the tensor + sequence parallel plan applied to this rank's pruned
+        model over the tp sub-mesh of its pp group (the stages share its modules, so they are
+        sharded too). Between blocks the plan keeps the residual stream as plain local tensors of
+        shape (rows, width / tp, dim) (``use_local_output``): that is what a stage sends and the
+        next one receives. The first stage's embedding scatters into those sequence shards, the
+        last stage's head gathers whole logits, so the loss sees what one process computes."""
+        from training.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(self.model, tp_mesh)
+        self.tp = tp_mesh.size()
+        for s, module in self.modules.items():
+            if s > 0:
+                # The stage's input holds n = width / tp positions of each row, but its attention
+                # all-gathers the whole row: the RoPE tables must cover positions 0 .. n·tp - 1.
+                module.rope_positions = self._whole_row_positions
+        self.own = {_storage(t).data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+
+    def _whole_row_positions(self, n: int) -> torch.Tensor:
+        return torch.arange(n * self.tp, device=self.device)
 
     def apply_data_parallel(self, mesh, dims, precision: str) -> None:
         """torchtitan's DP × PP: every block and then each stage's module wrapped over the dp
@@ -344,7 +385,8 @@ class Pipeline:
                 first = self.modules.get(0)
                 hidden = torch.float32
                 if first is not None:
-                    hidden = first(torch.zeros(1, 1, dtype=torch.long, device=self.device)).dtype
+                    # tp positions: sequence parallel splits the probe's row over the tp ranks.
+                    hidden = first(torch.zeros(1, self.tp, dtype=torch.long, device=self.device)).dtype
                 hidden_box = torch.tensor([_DTYPES.index(hidden)], dtype=torch.long)
                 dist.broadcast(hidden_box, src=dist.get_global_rank(self.group, self.first_rank), group=self.group)
                 hidden = _DTYPES[int(hidden_box)]
@@ -369,14 +411,15 @@ class Pipeline:
         hidden, logits = self._activation_dtypes()
         meta = torch.device("meta")
         stages = []
+        part = width // self.tp  # sequence parallel: each tp rank holds this much of a row between stages
         for s in self.local:
             # Hidden states carry gradients between stages: their metadata says so, or the
             # receiving stage's buffer is no autograd leaf and sends no gradient back.
             inp = (torch.empty(rows, width, dtype=torch.long, device=meta) if s == 0
-                   else torch.empty(rows, width, self.dim, dtype=hidden, device=meta, requires_grad=True))
+                   else torch.empty(rows, part, self.dim, dtype=hidden, device=meta, requires_grad=True))
             out = (torch.empty(rows, width, self.vocab, dtype=logits, device=meta, requires_grad=True)
                    if s == self.n_stages - 1
-                   else torch.empty(rows, width, self.dim, dtype=hidden, device=meta, requires_grad=True))
+                   else torch.empty(rows, part, self.dim, dtype=hidden, device=meta, requires_grad=True))
             last = s == self.n_stages - 1
             stages.append(_MeteredStage(self.modules[s], s, self.n_stages, self.device, input_args=inp,
                                         output_args=out, output_grads=None if last else out,
@@ -401,7 +444,8 @@ class Pipeline:
         self._acc["doc_sum"].index_add_(0, doc[:, 0], row_sum.detach().float())
         self._acc["doc_tokens"].index_add_(0, doc[:, 0], mask.sum(1))
         self._acc["loss_s"] += time.perf_counter() - start
-        return row_sum.sum() / self._acc["global_tokens"]
+        # fp16: the schedule's backward runs on this, so the loss scale is applied here.
+        return row_sum.sum() / self._acc["global_tokens"] * self._acc["loss_scale"]
 
     def plan_for(self, batch: Batch) -> Plan:
         lengths = batch.loss_mask.sum(1).tolist()
@@ -414,12 +458,13 @@ class Pipeline:
             return self.scheduler.plan(lengths, baseline=static) or static
         return static
 
-    def step(self, batch: Batch, global_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, None,
-                                                                             torch.Tensor]:
+    def step(self, batch: Batch, global_tokens: int | None = None, loss_scale: float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
         """Forward and backward of ``batch`` over the pipeline; returns (its token-loss sum over
         ``global_tokens``, the step's target tokens over all dp ranks (default: ``batch``'s), on
         every rank of the pp group; per-document losses, None, per-document tokens); the last two
-        are this step's on the last stage's rank only (zeros elsewhere)."""
+        are this step's on the last stage's rank only (zeros elsewhere). The backward runs on the
+        loss times ``loss_scale`` (fp16's dynamic loss scale; the returned loss is unscaled)."""
         if batch.tokens.shape[1] != self.seq_len:
             raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != seq_len {self.seq_len}")
         n_docs = len(batch.doc_ids)
@@ -428,7 +473,7 @@ class Pipeline:
         # its share (exact when dp is a power of two).
         self._acc = {"doc_sum": torch.zeros(n_docs, device=self.device),
                      "doc_tokens": torch.zeros(n_docs, dtype=torch.long, device=self.device),
-                     "global_tokens": float(global_tokens) / self.dp, "loss_s": 0.0}
+                     "global_tokens": float(global_tokens) / self.dp, "loss_scale": loss_scale, "loss_s": 0.0}
         plan = self.plan_for(batch)
         samples, walls, losses_all = [], [], []
         busy, padded = 0.0, 0
@@ -462,7 +507,7 @@ class Pipeline:
                     bwd = s.backward_s.get(chunk, 0.0)
                     samples.append(Sample(s.stage_index, p.rows, p.width, fwd + extra, bwd, s.saved.get(chunk, 0.0)))
                     busy += fwd + extra + bwd
-        loss = (torch.stack(losses_all).sum().detach().float() / self.dp if self.has_last
+        loss = (torch.stack(losses_all).sum().detach().float() / (self.dp * loss_scale) if self.has_last
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
         gathered: list = [None] * self.pp
@@ -482,11 +527,18 @@ class Pipeline:
         (with FSDP, of their shards' too; replicas count once)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            g = g.to_local() if hasattr(g, "to_local") else g
-            squares += g.detach().double().pow(2).sum().cpu()
+        if self.tp > 1:
+            # Some gradients are tp shards (their squares add over tp), others tp replicas (the
+            # norms' weights: once): DTensor reduces each by its placements, over dp too.
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares += norm.detach().double().pow(2).cpu()
+        else:
+            for g in grads:
+                g = g.to_local() if hasattr(g, "to_local") else g
+                squares += g.detach().double().pow(2).sum().cpu()
         dist.all_reduce(squares, group=self.group)
-        if self.shard_group is not None:
+        if self.shard_group is not None and self.tp == 1:
             dist.all_reduce(squares, group=self.shard_group)
         total = squares.sqrt().to(torch.float32)
         torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
@@ -510,7 +562,8 @@ class Pipeline:
                 x = self.modules[0](tokens)
             else:
                 if self.stage_rank[s - 1] != self.rank:
-                    x = torch.empty(*tokens.shape, self.dim, dtype=hidden, device=self.device)
+                    x = torch.empty(tokens.shape[0], tokens.shape[1] // self.tp, self.dim, dtype=hidden,
+                                    device=self.device)
                     dist.recv(x, src=dist.get_global_rank(self.group, self.stage_rank[s - 1]), group=self.group)
                 x = self.modules[s](x)
             if s + 1 < self.n_stages and self.stage_rank[s + 1] != self.rank:
@@ -540,7 +593,7 @@ class Pipeline:
             packed = torch.stack([targets, mask.long(), batch.doc_index[take][:, None].expand_as(targets)], -1)
             self._acc = {"doc_sum": torch.zeros(len(batch.doc_ids), device=device),
                          "doc_tokens": torch.zeros(len(batch.doc_ids), dtype=torch.long, device=device),
-                         "global_tokens": 1.0, "loss_s": 0.0}
+                         "global_tokens": 1.0, "loss_scale": 1.0, "loss_s": 0.0}
             with precision_context(params.precision, device):
                 if _schedule(self.schedule_name)[2] == "v":
                     # torch 2.13's V schedules run their backward actions in eval too ("can't
@@ -565,11 +618,17 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 def check_pipeline_layout(dims, params) -> None:
     """What pp runs with today, refused clearly otherwise (before any process builds a stage)."""
-    others = {n: getattr(dims, n) for n in ("tp", "cp", "ep") if getattr(dims, n) > 1}
+    others = {n: getattr(dims, n) for n in ("cp", "ep") if getattr(dims, n) > 1}
     if others:
-        raise AssayError(f"parallel: pp combines with data parallel only (dp_shard, dp_replicate), not yet with "
-                         f"tp, cp or ep (got {others})")
+        raise AssayError(f"parallel: pp combines with data parallel and tp only, not yet with cp or ep (got {others}): "
+                         "a stage boundary would carry context shards of the sequence or tokens routed to other "
+                         "ranks' experts, which the stages' static shapes do not describe")
     p = params.parallel
+    if dims.tp > 1 and p.pp_dynamic:
+        # The dynamic plans trim passes to the longest row of a micro-batch: any width, while
+        # sequence parallel needs widths that split over the tp ranks.
+        raise AssayError("parallel: pp_dynamic runs with pp alone; with tp > 1 use the static micro-batches "
+                         "(--pp-static)")
     if dims.dp > 1 and p.pp_dynamic:
         # Each dp rank plans its own rows: the plans (passes, micro-batch counts) would differ, and
         # so would the number of FSDP collectives per stage.

@@ -28,7 +28,7 @@ from training.parallel.batches import LocalBatch, local_batch
 from training.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
-from training.precision import scales_loss
+from training.precision import loss_scaler, scales_loss
 
 __all__ = ["Parallel", "grad_norms_setting"]
 
@@ -89,11 +89,6 @@ class Parallel:
             from training.parallel.pipeline import check_pipeline_layout
 
             check_pipeline_layout(dims, params)
-        if scales_loss(params.precision) and (dims.pp > 1 or dims.ep > 1):
-            # pp's schedules run their own backward, which the loss scale is not threaded into; ep's experts
-            # have plain per-rank gradients, so the scaler's overflow check would not agree across ranks.
-            raise AssayError(f"train.precision {params.precision} (loss scaling) is not supported with "
-                             f"pp or ep yet; use bf16 or fp8 there")
         return cls(world, dims, bool(p.zero1), params.precision, train=params)
 
     @property
@@ -113,9 +108,9 @@ class Parallel:
     def mode(self) -> str:
         if not self.on:
             return "single"
-        if self.pipelined:  # "pp", "fsdp+pp", "hsdp+pp", "ddp+pp"
+        if self.pipelined:  # "pp", "fsdp+pp", "hsdp+pp", "ddp+pp", "tp+pp", "fsdp+tp+pp", "hsdp+tp+pp"
             dp = ("hsdp" if self.dims.ddp else "fsdp") if self.dims.fsdp else ("ddp" if self.dims.ddp else "")
-            return f"{dp}+pp" if dp else "pp"
+            return "+".join([dp] * bool(dp) + ["tp"] * (self.dims.tp > 1) + ["pp"])
         if self.dims.tp > 1:  # "tp", "fsdp+tp", "hsdp+tp"
             return "+".join(["hsdp" if self.dims.ddp else "fsdp"] * self.dims.fsdp + ["tp"])
         if self.dims.cp > 1:  # "cp", "ddp+cp", "fsdp+cp", "hsdp+cp"
@@ -137,7 +132,9 @@ class Parallel:
 
             self.pipeline = Pipeline.build(model, self.mesh, self.train, device)
         # --- tensor + sequence parallel (tp) ---
-        if self.dims.tp > 1:
+        if self.dims.tp > 1 and self.pipelined:  # the pruned model, and the stages' boundary shapes
+            self.pipeline.apply_tensor_parallel(self.mesh["tp"])
+        elif self.dims.tp > 1:
             from training.parallel.tensor_parallel import apply_tensor_parallel
 
             apply_tensor_parallel(model, self.mesh["tp"])
@@ -158,6 +155,16 @@ class Parallel:
                 self.pipeline.apply_data_parallel(self.mesh, self.dims, self.precision)
             return model
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
+
+    def loss_scaler(self, precision: str, device: torch.device, init_scale: float) -> torch.amp.GradScaler:
+        """The fp16 precisions' loss scaler (disabled otherwise). On several ranks its overflow verdict is
+        agreed over the world: experts' and pipeline stages' gradients are plain per-rank tensors
+        (``training.parallel.loss_scaling``)."""
+        if not self.on:
+            return loss_scaler(precision, device, init_scale)
+        from training.parallel.loss_scaling import AgreedGradScaler
+
+        return AgreedGradScaler(device.type, init_scale=init_scale, enabled=scales_loss(precision))
 
     def optimizer(self, groups: list[dict], lr: float, defaults: dict) -> torch.optim.Optimizer:
         if self.zero1:
@@ -196,8 +203,8 @@ class Parallel:
     def writes_telemetry(self) -> bool:
         """Whether this rank records its documents' telemetry: with tp, the first rank of each
         tp group does (its ranks hold the same documents and the same, tp-summed, norms)."""
-        if self.pipelined:  # the last stage computed the losses
-            return self.pipeline.has_last
+        if self.pipelined:  # the last stage computed the losses (with tp: its first tp rank writes them)
+            return self.pipeline.has_last and (self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0)
         if self.on and self.dims.cp > 1 and self.context.rank > 0:  # cp: rank 0 writes the cp-summed losses
             return False
         return not self.on or self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0

@@ -18,6 +18,10 @@ per-document statistic are computed on whole logits, the same on every tp rank.
 Every tp rank of one data-parallel group sees the same rows (the batch is split over ``dp``
 only). Per-document ghost gradient norms stay exact: ``training.grad_norms`` computes each
 rank's share from the local shards and sums it over the tp group.
+
+Under pp the same plan is applied to each rank's pruned model (the ends it does not hold are
+skipped): a stage then sends and receives its tp rank's sequence shard of the residual stream
+(``training.parallel.pipeline``).
 """
 
 from __future__ import annotations
@@ -76,12 +80,16 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
     """Shard ``model`` in place over ``tp_mesh`` (1-D); returns it. Sequences fed to it must have
     a length divisible by the tp size (the trainer's are all ``max_seq_len`` long)."""
     check_tensor_parallel(model, tp_mesh.size())
-    parallelize_module(model, tp_mesh, {
+    ends = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # Whole logits on every rank: the trainer's losses and telemetry need no vocab-parallel loss.
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    }
+    # A pipeline stage's pruned model lacks the ends it does not hold (set to None).
+    ends = {name: style for name, style in ends.items() if getattr(model, name) is not None}
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
