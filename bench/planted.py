@@ -22,6 +22,23 @@
    corpus and on the uncurated one; each model's mean token loss on the fixed
    clean evaluation set.
 
+With --rho-loss, RHO-LOSS (Mindermann et al. 2022) is measured too: before the
+scoring pass a reference ("irreducible loss") model is trained, as the paper
+does, on held-out clean data only: the corpus's reference set (the documents
+`training.score.select_reference` picks from the --reference sources, the same
+set the alignment uses as clean and the filter never judges), with round 0's
+tokenizer, model, seed and steps. The pass then scores with
+`score.reference_model` pointing at it, so `ref_loss` and the filter's
+`reducible_loss` (= loss - ref_loss) fill in. The bench checks by id that the
+reference model trained on no judged document (planted or real): its training
+ids are a subset of the pass's reference.txt, which holds no planted id; and by
+text hash that no judged document is a copy of one of them. Reference documents
+that a planted document was made from (shuffled, one line repeated, relabelled:
+its meta names the source) are left out of the reference model's data, or it
+would train on a planted document's text (relabelled prose is the same text). Scores go to
+OUT/scores-rho, results to OUT/results-rho.json (with --resume, an earlier
+round 0 is reused).
+
 Writes OUT/results.json and prints the tables as Markdown.
 """
 
@@ -138,7 +155,25 @@ def signal_table(scores: pa.Table, telemetry: pa.Table, params) -> dict[str, np.
     out["loss"], out["grad_norm"] = col(both, "loss"), col(both, "grad_norm")
     out["loss_z"] = robust_z(out["loss"], groups, judged)
     out["grad_norm_z"] = robust_z(out["grad_norm"], groups, judged)
+    # RHO-LOSS: NaN unless the pass had a reference model. Its z uses the filter's own strata
+    # (kind x lang x band over the documents that have the signal), as StratumOutlierFilter does.
+    out["reducible"] = col(both, "reducible_loss")
+    out["ref_loss"] = out["loss"] - out["reducible"]
+    has = judged & np.isfinite(out["reducible"])
+    rgroups = strata(kind, lang, col(both, "tokens"), params.length_bands, params.min_stratum_docs, has)
+    out["reducible_z"] = robust_z(out["reducible"], rgroups, has)
     return out
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Percentile rank in [0, 1] (ties averaged; NaN lowest, as `auc` reads NaN)."""
+    x = np.nan_to_num(np.asarray(x, dtype=np.float64), nan=-np.inf)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    _, start, counts = np.unique(x[order], return_index=True, return_counts=True)
+    for s, c in zip(start, counts):
+        ranks[order[s:s + c]] = s + (c - 1) / 2.0
+    return ranks / max(len(x) - 1, 1)
 
 
 def aucs(sig: dict[str, np.ndarray]) -> dict[str, float]:
@@ -160,7 +195,147 @@ def aucs(sig: dict[str, np.ndarray]) -> dict[str, float]:
         "combined: alignment z (mean) + loss tails": -sig["align_mean_z"] + np.maximum(np.abs(sig["loss_z"]) - 3.5, 0),
         "combined: max(-alignment z, |loss z|)": np.fmax(-sig["align_mean_z"], np.abs(sig["loss_z"])),
     }
-    return {name: round(auc(score[j], bad), 4) for name, score in candidates.items()}
+    if np.isfinite(sig["reducible"][j]).any():
+        # The filter reads the low end of reducible loss as bad (StratumOutlierFilter, low_z).
+        candidates["RHO-LOSS: reducible loss (low)"] = -sig["reducible"]
+        candidates["RHO-LOSS: reducible loss z in stratum (low)"] = -sig["reducible_z"]
+        candidates["RHO-LOSS: ref_loss (high)"] = sig["ref_loss"]
+        # Combination rule, fixed before it was computed: the mean of the two signals' percentile
+        # ranks among the judged documents, the default alignment signal (z within kind, last
+        # checkpoint) and reducible loss's z in stratum, each oriented bad-high.
+        candidates["combined: rank mean of -alignment z in kind (last) and -reducible z"] = (
+            _ranks(-sig["align_last_zk"][j]) + _ranks(-sig["reducible_z"][j])) / 2
+    return {name: round(auc(score if len(score) == j.sum() else score[j], bad), 4)
+            for name, score in candidates.items()}
+
+
+RHO_RUN = "rho-reference"
+RHO_DATA = "rho-reference-data"
+
+
+def _text_hash(text: str | None) -> str:
+    return hashlib.blake2b((text or "").encode(), digest_size=16).hexdigest()
+
+
+def train_reference_model(args, docs: pa.Table, reference: dict[str, float], train_params) -> dict:
+    """RHO-LOSS's irreducible-loss model: round 0's tokenizer, model, seed and steps, trained on the
+    corpus's reference set alone (never judged), written to OUT/rho-reference."""
+    from assay.versions import open_version
+    from training.checkpoint import latest_checkpoint
+    from training.score import select_reference
+    from training.tokenizer import load_tokenizer
+    from training.trainer import train
+
+    ids = docs.column("id").to_pylist()
+    chosen = select_reference(ids, np.array(docs.column("source").to_pylist(), dtype=object), reference)
+    if any(planted_kind(i) for i, c in zip(ids, chosen) if c):
+        raise AssertionError("a planted document is in the reference set; it must never train the reference model")
+    sources_of_planted = _planted_sources(docs)
+    texts = docs.column("text").to_pylist()
+    judged_texts = {_text_hash(t) for t, c in zip(texts, chosen) if not c}
+    # A planted document made from a reference one (relabelled prose is the very same text) must
+    # not be learnt by the reference model, so its source leaves the reference model's data.
+    excluded = [i for i, t, c in zip(ids, texts, chosen)
+                if c and (i in sources_of_planted or _text_hash(t) in judged_texts)]
+    chosen &= ~np.isin(np.array(ids, dtype=object), np.array(excluded, dtype=object))
+    data = args.out / RHO_DATA
+    if not (args.resume and list_shards(data)):
+        for old in list_shards(data):
+            old.unlink()
+        write(data, docs.filter(pa.array(chosen)))
+    tokenizer = load_tokenizer(args.out / "round-0")
+    resume = args.resume and latest_checkpoint(args.out / RHO_RUN) is not None  # else a fresh run
+    result = train(open_version(data), args.out / RHO_RUN, train_params, overwrite=not resume, resume=resume,
+                   progress=False, tokenizer=tokenizer)
+    trained = read(data)
+    return {"documents": trained.num_rows, "ids": trained.column("id").to_pylist(), "excluded": len(excluded),
+            "text_hashes": {_text_hash(t) for t in trained.column("text").to_pylist()},
+            "steps": train_params.steps, "final_loss_mean10": result.metrics["final_loss_mean10"],
+            "skipped_steps": result.metrics["skipped_steps"]}
+
+
+def _planted_sources(docs: pa.Table) -> set[str]:
+    """Ids of the real documents the planted ones were made from (meta "from")."""
+    out = set()
+    for i, m in zip(docs.column("id").to_pylist(), docs.column("meta").to_pylist()):
+        if planted_kind(i) and m:
+            source = json.loads(m).get("from")
+            if source:
+                out.add(source)
+    return out
+
+
+def check_reference_model_data(out: Path, docs: pa.Table, reference_ids: set[str], rho: dict) -> None:
+    """The reference model trained on no judged document: by id (its training ids are within the
+    pass's reference set, the documents the filter never judges, none is planted, none is a planted
+    document's source) and by text (no judged document's text equals one it trained on)."""
+    trained = set(rho["ids"])
+    if not trained <= reference_ids:
+        raise AssertionError(f"{len(trained - reference_ids)} of the reference model's training ids are not in the "
+                             "pass's reference set")
+    ids, texts = docs.column("id").to_pylist(), docs.column("text").to_pylist()
+    judged = {i for i in ids if i not in reference_ids}
+    if trained & judged or any(planted_kind(i) for i in trained):
+        raise AssertionError("the reference model trained on a judged or planted document")
+    copies = [i for i, t in zip(ids, texts) if i in judged and _text_hash(t) in rho["text_hashes"]]
+    if copies:
+        raise AssertionError(f"judged documents with a reference document's exact text: {copies[:5]}")
+    if trained & _planted_sources(docs):
+        raise AssertionError("the reference model trained on a document a planted one was made from")
+    rho["check"] = {"trained_ids": len(trained), "reference_set_ids": len(reference_ids),
+                    "left_out_as_planted_sources_or_copies": rho["excluded"], "judged_ids": len(judged),
+                    "trained_and_judged_ids": 0, "judged_with_a_trained_text": 0, "trained_planted_sources": 0}
+
+
+def rho_results(rho: dict, sig: dict[str, np.ndarray], scores: pa.Table, telemetry: pa.Table, params,
+                verdict: dict) -> dict:
+    """The reducible-loss filter alone at params.yaml's threshold, its share of the cascade's drops, and
+    the cascade's alignment cut with and without it."""
+    from filters.dynamic import AlignmentFilter, StratumOutlierFilter, signals_for
+
+    signals = signals_for(scores, telemetry, params)
+    ids = signals.column("id").to_pylist()
+    bands, min_docs = tuple(params.length_bands), params.min_stratum_docs
+    alone = StratumOutlierFilter("reducible_loss", None, params.reducible_low_z, bands, min_docs).apply(signals)
+    align = AlignmentFilter(params.alignment_threshold, params.alignment_low_z, params.alignment_high_z, bands,
+                            min_docs, params.alignment_z_strata).apply(signals)
+    judged = set(i for i, r in zip(ids, signals.column("reference").to_pylist()) if not r)
+
+    def count(drop: np.ndarray) -> dict[str, int]:
+        hit = [i for i, d in zip(ids, drop) if d and i in judged]
+        return {"planted": sum(bool(planted_kind(i)) for i in hit), "real": sum(not planted_kind(i) for i in hit)}
+
+    j = sig["judged"]
+    real = ~np.array([planted_kind(i) is not None for i in sig["id"]]) & j
+    planted = j & ~real
+
+    def med(x, m):
+        return round(float(np.nanmedian(x[m])), 4)
+
+    # In the cascade a document's reason is the first filter's that drops it: these are the ones
+    # only reducible loss caught.
+    by_rho = [i for i, v in verdict.items() if not v["kept"] and v["reason"] == "dynamic:reducible_loss_low"]
+
+    return {
+        "reference_model": {k: rho[k] for k in ("documents", "excluded", "steps", "final_loss_mean10",
+                                                 "skipped_steps")},
+        "check": rho.get("check"),
+        "judged": {"planted": int(planted.sum()), "real": int(real.sum()),
+                   "with_reducible_loss": int(np.isfinite(sig["reducible"][j]).sum())},
+        "threshold_low_z": params.reducible_low_z,
+        "dropped_by_reducible_loss_alone": count(~alone.keep),
+        "dropped_by_reducible_loss_alone_per_kind": {
+            k: sum(planted_kind(i) == k for i, d in zip(ids, ~alone.keep) if d) for k in PLANTED_KINDS},
+        "dropped_with_reason_reducible_loss_low_in_cascade": {
+            "planted": sum(bool(planted_kind(i)) for i in by_rho), "real": sum(not planted_kind(i) for i in by_rho)},
+        "alignment_cut_alone": count(~align.keep),
+        "alignment_cut_or_reducible_loss": count(~align.keep | ~alone.keep),
+        "median": {"loss": {"planted": med(sig["loss"], planted), "real": med(sig["loss"], real)},
+                   "ref_loss": {"planted": med(sig["ref_loss"], planted), "real": med(sig["ref_loss"], real)},
+                   "reducible_loss": {"planted": med(sig["reducible"], planted), "real": med(sig["reducible"], real)}},
+        "median_reducible_loss_by_planted_kind": {
+            k: med(sig["reducible"], np.array([planted_kind(i) == k for i in sig["id"]])) for k in PLANTED_KINDS},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference-aggregate", choices=("tokens", "documents", "unit"), default=None,
                         help="Override score.reference_aggregate; scores go to OUT/scores-AGG and the results to "
                              "OUT/results-AGG.json, so several can be compared on one round 0")
+    parser.add_argument("--rho-loss", action="store_true",
+                        help="Also train a reference model on the reference set only (held-out clean data) and "
+                             "score with it as score.reference_model (RHO-LOSS); scores in OUT/scores-rho")
     parser.add_argument("--resume", action="store_true",
                         help="Reuse OUT's round 0 when it has finished (the same corpus and settings), e.g. to "
                              "score it again with another --reference-aggregate")
@@ -226,10 +404,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"round 0: {timings['round0_s']} s, skipped steps {round0.metrics['skipped_steps']}", flush=True)
 
     reference = {k: float(v) for k, v in (item.split("=") for item in args.reference.split(","))}
+    rho = None
+    if args.rho_loss:
+        t = time.perf_counter()
+        rho = train_reference_model(args, docs, reference, train_params)
+        timings["rho_reference_model_s"] = round(time.perf_counter() - t, 1)
+        print(f"RHO-LOSS reference model: {timings['rho_reference_model_s']} s, {rho['documents']} documents",
+              flush=True)
     score_params = dataclasses.replace(params.score, checkpoints=[steps // 2, steps], reference=reference, device="cpu",
                                        max_rows=args.max_rows or params.score.max_rows,
-                                       reference_aggregate=args.reference_aggregate or params.score.reference_aggregate)
-    tag = f"-{args.reference_aggregate}" if args.reference_aggregate else ""
+                                       reference_aggregate=args.reference_aggregate or params.score.reference_aggregate,
+                                       reference_model=str(args.out / RHO_RUN) if rho else None)
+    tag = (f"-{args.reference_aggregate}" if args.reference_aggregate else "") + ("-rho" if rho else "")
     scores_dir, results_file = args.out / f"scores{tag}", args.out / f"results{tag}.json"
     t = time.perf_counter()
     score_dataset(args.out / "round-0", corpus, scores_dir, score_params, overwrite=True, progress=False)
@@ -245,6 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     judged = verdicts(scores, telemetry, params.dynamic)
     verdict = {r["id"]: r for r in judged.select(["id", "kept", "reason"]).to_pylist()}
     reference_ids = set((scores_dir / "reference.txt").read_text().split())
+    if rho is not None:
+        check_reference_model_data(args.out, docs, reference_ids, rho)
     ids = docs.column("id").to_pylist()
     sources = dict(zip(ids, docs.column("source").to_pylist()))
     planted = [i for i in ids if planted_kind(i)]
@@ -288,8 +476,11 @@ def main(argv: list[str] | None = None) -> None:
             for k in ("code", "text")},
         "params": {"dynamic": dataclasses.asdict(params.dynamic), "score": dataclasses.asdict(score_params)},
     }
+    if rho is not None:
+        results["rho_loss"] = rho_results(rho, sig, scores, telemetry, params.dynamic, verdict)
     results_file.write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: results[k] for k in ("recall", "by_reason", "false_positive_rate", "auc")}, indent=2), flush=True)
+    print(json.dumps({k: results[k] for k in ("recall", "by_reason", "false_positive_rate", "auc", "rho_loss")
+                      if k in results}, indent=2), flush=True)
 
     if not args.skip_round_1:
         tokenizer = load_tokenizer(args.out / "round-0")
