@@ -79,6 +79,14 @@ features, an embedding's vocabulary rows; sequence-sharded operands are gathered
 per-document sums are all-reduced over the mesh. A replicated weight (the norms under sequence
 parallel) has the same squared norm on every rank: only the mesh's first rank adds it.
 
+Expert parallelism (training.parallel.expert_parallel: each ep rank holds some experts and runs
+them on the tokens every rank of its ep group routes there): a document's gradient for expert
+``e`` is ``sum_{t in d, routed to e} g_t a_t^T``, and all those tokens are on the rank owning ``e``.
+So that rank computes the document's squared norm for ``e`` (the documents are its "rows",
+each one's tokens zero-padded), and the squared norms, indexed by a document numbering shared by
+the ep group, are all-reduced over it; each rank keeps its own documents'. A received ``g_t`` is
+the gradient of its source rank's loss, so the owner's rescaling applies to it unchanged.
+
 Models with parameters this module cannot attribute (an unknown module type owning
 parameters, a parameter shared between modules) fall back, with a warning, to
 :func:`per_document_grad_norms_reference` (one more forward, and a backward per document).
@@ -100,6 +108,7 @@ from torch.distributed.tensor import DTensor
 
 from training.model import RMSNorm
 from training.moe import MoE
+from training.parallel.expert_parallel import EPDispatch, LocalExperts
 
 __all__ = [
     "DocumentStats",
@@ -211,12 +220,18 @@ def _pad_by_row(ids: torch.Tensor, rows: _Rows) -> tuple[torch.Tensor, torch.Ten
     """For a token subset (flat ids b * N + n): (row, slot) of each token in a zero-padded
     (B, M, .) layout, M = most tokens any row has. Works for any order of ``ids``."""
     row = torch.div(ids, rows.seq_len, rounding_mode="floor")
-    count = torch.bincount(row, minlength=rows.n_rows)
+    slot, m = _slots(row, rows.n_rows)
+    return row, slot, m
+
+
+def _slots(row: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, int]:
+    """Slot of each token within its row (in the order given), and the most tokens any row has."""
+    count = torch.bincount(row, minlength=n_rows)
     order = torch.argsort(row, stable=True)
     first = count.cumsum(0) - count
     slot = torch.empty_like(row)
-    slot[order] = torch.arange(ids.numel(), device=ids.device) - first[row[order]]
-    return row, slot, int(count.max()) if ids.numel() else 0
+    slot[order] = torch.arange(row.numel(), device=row.device) - first[row[order]]
+    return slot, int(count.max()) if row.numel() else 0
 
 
 # ----------------------------------------------------------------------------- norms
@@ -362,11 +377,68 @@ def _features(t: torch.Tensor, offset: int | None, size: int | None) -> torch.Te
     return t[..., offset : offset + size]
 
 
+# ------------------------------------------------------------------ expert parallel
+class _EPDocuments:
+    """The documents of every rank of an ep group under one numbering (rank by rank), and the
+    squared norms this rank's experts add to any of them.
+
+    Built before the forward on every rank of the group (also one without documents: its
+    experts still serve the others'), so the collectives match."""
+
+    def __init__(self, rows: _Rows, group: dist.ProcessGroup):
+        self.group = group
+        device = rows.row_doc.device
+        mine = torch.tensor([rows.n_rows, rows.n_docs, rows.seq_len], dtype=torch.long, device=device)
+        sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, mine, group=group)
+        n_rows, n_docs, self.seq_len = torch.stack(sizes).unbind(1)
+        padded = rows.row_doc.new_zeros(int(n_rows.max()))
+        padded[: rows.n_rows] = rows.row_doc
+        row_docs = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(row_docs, padded, group=group)
+        first = n_docs.cumsum(0) - n_docs
+        #: [source rank, source row] -> the row's document in the group's numbering.
+        self.doc_of_row = torch.stack(row_docs) + first[:, None]
+        self.n_docs = int(n_docs.sum())
+        me = dist.get_rank(group)
+        self.mine = slice(int(first[me]), int(first[me]) + rows.n_docs)
+        self.sq_norms = torch.zeros(self.n_docs, dtype=torch.float64, device=device)
+
+    def documents(self, source: torch.Tensor) -> torch.Tensor:
+        """Group numbering of the document of each (source rank, flat position) row."""
+        rank, position = source.unbind(1)
+        return self.doc_of_row[rank, torch.div(position, self.seq_len[rank], rounding_mode="floor")]
+
+    def add(self, a: torch.Tensor, g: torch.Tensor, source: torch.Tensor, weight: bool, bias: bool,
+            method: Method) -> None:
+        """Add an expert Linear's per-document squared norms; ``a``, ``g``: (rows, .) its input
+        and output gradient, ``source``: where each row came from."""
+        docs, group = torch.unique(self.documents(source), return_inverse=True)
+        slot, m = _slots(group, docs.numel())
+        # One "row" per document present, holding all its tokens: the same formulas as by rows.
+        rows = _Rows(docs, self.n_docs, m)
+        a = a.new_zeros(docs.numel(), m, a.shape[1]).index_put_((group, slot), a)
+        g = g.new_zeros(docs.numel(), m, g.shape[1]).index_put_((group, slot), g)
+        self.sq_norms += _linear_sq_norms(a, g, rows, weight, bias, method)
+
+    def mine_summed(self) -> torch.Tensor:
+        """After the backward: this rank's documents' squared norms from every expert of the group."""
+        dist.all_reduce(self.sq_norms, group=self.group)
+        return self.sq_norms[self.mine]
+
+
+def _ep_group(model: nn.Module) -> dist.ProcessGroup | None:
+    groups = {m.experts.group for m in model.modules() if isinstance(m, MoE) and isinstance(m.experts, LocalExperts)}
+    if len(groups) > 1:
+        raise RuntimeError("per-document ghost norms: MoE layers expert-parallel over different groups")
+    return groups.pop() if groups else None
+
+
 # ----------------------------------------------------------------------------- hooks
 @dataclass
 class _Plan:
     kinds: dict[nn.Module, str]  # module -> "linear" | "embedding" | "rmsnorm"
-    expert_of: dict[nn.Module, tuple[MoE, int]]  # Linear inside an MoE expert -> (moe, e)
+    expert_of: dict[nn.Module, tuple[MoE, int]]  # Linear inside an MoE expert -> (moe, e; local e under ep)
     unsupported: list[str]
 
 
@@ -438,6 +510,8 @@ class _GhostNorms:
         self.outputs: list[torch.Tensor] = []  # hooked outputs: the backward's targets without weight gradients
         #: Tensor parallel: the mesh whose ranks each hold part of ``sq_norms`` (summed after the backward).
         self.mesh = None
+        #: Expert parallel: the norms this rank's experts add to the ep group's documents.
+        self.ep_docs: _EPDocuments | None = None
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not self.capturing:
@@ -453,9 +527,14 @@ class _GhostNorms:
         dispatch = None
         if module in self.plan.expert_of:
             moe, e = self.plan.expert_of[module]
-            if moe.last_dispatch is None:
+            if self.ep_docs is not None:
+                if self.observers:
+                    raise RuntimeError("per-layer observers do not support expert-parallel layers")
+                dispatch = (moe.ep_dispatch, e)
+            elif moe.last_dispatch is None:
                 raise RuntimeError("MoE.last_dispatch missing: cannot map expert tokens to rows")
-            dispatch = (moe.last_dispatch, e)
+            else:
+                dispatch = (moe.last_dispatch, e)
         elif args[0].numel() // max(1, _width(module, args[0])) != self.rows.n_rows * self.rows.seq_len:
             raise RuntimeError(
                 f"{type(module).__name__} input {tuple(args[0].shape)} does not hold one entry per "
@@ -471,6 +550,10 @@ class _GhostNorms:
     def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         # Hooks run inside the backward: no graph, and no autocast from the caller's context.
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
+            if saved["dispatch"] is not None and isinstance(saved["dispatch"][0], EPDispatch):
+                self._on_expert_grad(module, saved, g)
+                saved.clear()
+                return
             layer = self._layer(module, saved, g)
             shard = saved["shard"]
             if shard is None:
@@ -482,6 +565,18 @@ class _GhostNorms:
             for observe in self.observers:
                 observe(layer, self.rows)
         saved.clear()  # free the input now rather than at the end of the step
+
+    def _on_expert_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
+        """Expert parallel: this expert's rows may come from any rank of the ep group."""
+        x = saved["x"]
+        dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
+        a = x.to(saved["out_dtype"]).to(dtype).reshape(-1, x.shape[-1])
+        g = g.to(dtype).reshape(-1, g.shape[-1])
+        record, e = saved["dispatch"]
+        start = int(record.counts[:e].sum())
+        bias = module.bias is not None and module.bias.requires_grad
+        self.ep_docs.add(a, g, record.source[start : start + a.shape[0]], module.weight.requires_grad, bias,
+                         self.method)
 
     def _layer(self, module: nn.Module, saved: dict, g: torch.Tensor) -> LayerGrad:
         x, rows = saved["x"], self.rows
@@ -598,7 +693,9 @@ def per_document_loss_and_grad_norm(
     mask = loss_mask.bool()
     doc_tokens = _doc_tokens(mask, doc_index, n_docs)
     n_total = int(doc_tokens.sum())
-    if n_total == 0:
+    ep_group = _ep_group(model)
+    if n_total == 0 and ep_group is None:
+        # Under ep a rank without target tokens still runs: its experts serve the group's documents.
         raise ValueError("the batch has no unmasked token")
 
     plan = _plan(model)
@@ -621,10 +718,12 @@ def per_document_loss_and_grad_norm(
 
     rows = _Rows(doc_index, n_docs, tokens.shape[1])
     with _ghost_norm_hooks(plan, rows, method, observers) as ghost:
+        if ep_group is not None:
+            ghost.ep_docs = _EPDocuments(rows, ep_group)
         logits = model(tokens)
         ghost.capturing = False
         token_loss = token_losses(logits, targets, mask)
-        loss = token_loss.sum() / n_total
+        loss = token_loss.sum() / max(n_total, 1)  # no target token (ep only): loss and gradients 0
         if weight_grads:
             (loss * loss_scale).backward()
         else:
@@ -633,6 +732,8 @@ def per_document_loss_and_grad_norm(
     sq_norms = ghost.sq_norms
     if ghost.mesh is not None:  # tensor parallel: each rank added the squared norms of its shards
         dist.all_reduce(sq_norms, group=ghost.mesh.get_group())
+    if ghost.ep_docs is not None:  # expert parallel: the experts' part came from the ranks holding them
+        sq_norms = sq_norms + ghost.ep_docs.mine_summed()
 
     doc_loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
     doc_loss_sum.index_add_(0, doc_index, token_loss.detach().sum(1).double())

@@ -364,8 +364,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with precision_context(params.precision, dev):
-                # A rank without documents runs a masked placeholder row: nothing to attribute.
-                norms = par.telemetry_grad_norms(params.telemetry.grad_norms) if local.has_documents else "off"
+                # A rank without documents runs a masked placeholder row (nothing to attribute).
+                norms = par.telemetry_grad_norms(params.telemetry.grad_norms, local.has_documents)
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
                     loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens,
                                                                              scaler.get_scale())

@@ -38,13 +38,18 @@ Balancing stays exact: ``tokens_per_expert`` counts this rank's routing for all 
 
 Layouts: ep divides dp_shard (``ParallelDims``), with FSDP or HSDP; tp, pp and cp together
 with ep are refused.
-Per-document ghost gradient norms are switched off (``Parallel.telemetry_grad_norms``):
-an expert's gradient for this rank's documents is computed on other ranks.
+
+Per-document ghost gradient norms stay exact: an expert's gradient for a document is built
+from that document's tokens routed to it, which are all on the expert's rank, so that rank
+computes the document's squared norm for the expert and ``training.grad_norms`` sends it home
+(an all-reduce over the ep group). For that the forward also sends, with each routed row, where
+it came from (:class:`EPDispatch`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,8 +60,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from assay.errors import AssayError
 from training.moe import MoE
 
-__all__ = ["LocalExperts", "apply_expert_parallel", "count_parameters", "expert_parameters", "grad_norm_squared",
-           "reduce_expert_grads"]
+__all__ = ["EPDispatch", "LocalExperts", "apply_expert_parallel", "count_parameters", "expert_parameters",
+           "grad_norm_squared", "reduce_expert_grads"]
 
 
 class LocalExperts(nn.Module):
@@ -70,6 +75,7 @@ class LocalExperts(nn.Module):
         self.n_experts = n_experts
         self.group = group  # the ep ranks: every expert once
         self.ep = ep
+        self.rank = dist.get_rank(group)  # within the ep group
         self.replica_group = replica_group  # the ranks holding these same experts (None: only this one)
         for e, expert in sorted(experts.items()):
             self.add_module(str(e), expert)
@@ -84,6 +90,16 @@ class LocalExperts(nn.Module):
         return self.n_local
 
 
+@dataclass
+class EPDispatch:
+    """Which tokens this rank's experts got in the most recent forward, for ``training.grad_norms``:
+    local expert ``j`` ran on rows ``sum(counts[:j]) : sum(counts[:j + 1])`` of its input, and
+    ``source[i] = (ep rank, flat position b * N + n)`` is where row ``i`` of those came from."""
+
+    source: torch.Tensor  # (rows, 2) long, grouped by local expert like the experts' input
+    counts: torch.Tensor  # (n_local,) long
+
+
 def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     experts: LocalExperts = moe.experts
     ep, n_local, group = experts.ep, experts.n_local, experts.group
@@ -95,8 +111,8 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         moe.tokens_per_expert.add_(counts.to(moe.tokens_per_expert.dtype))
     moe.last_tokens_per_expert = counts.detach()
-    # Ghost norms attribute expert tokens through last_dispatch; here an expert sees other
-    # ranks' tokens, so there is none (grad_norms then fails loudly rather than misattribute).
+    # last_dispatch maps expert rows to this rank's tokens; here experts see other ranks' tokens
+    # too, so there is none, and ep_dispatch (below) says where each row came from instead.
     moe.last_dispatch = None
 
     order = torch.argsort(topk_idx.reshape(-1), stable=True)
@@ -115,6 +131,12 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     local_expert = torch.arange(n_local, device=flat.device).repeat(ep).repeat_interleave(per_source.reshape(-1))
     regroup = torch.argsort(local_expert, stable=True)
     grouped = received.index_select(0, regroup)
+    # Where each received row came from, for ghost norms. Sent whether or not they run (a few
+    # int64 per row), so no rank ever skips a collective its peers run.
+    origin = torch.stack([torch.full_like(token_ids, experts.rank), token_ids], 1)
+    source = origin.new_empty(received.shape[0], 2)
+    dist.all_to_all_single(source, origin, recv_splits, send_splits, group=group)
+    moe.ep_dispatch = EPDispatch(source.index_select(0, regroup), per_source.sum(0))
     outputs, start = [], 0
     for j, n in enumerate(per_source.sum(0).tolist()):
         if n:  # an expert without tokens gets no gradient (None), as in one process

@@ -36,7 +36,6 @@ __all__ = ["Parallel", "grad_norms_setting"]
 #: document's gradient whose norms do not add. Per-document losses stay exact under all of them.
 _NORMS_OFF = {
     "pp": "each pipeline stage holds only part of a document's gradient",
-    "ep": "an expert's gradient for this rank's documents is computed on the ranks owning the experts",
     "cp": "a document's gradient is summed over the cp ranks' parts of its rows, and ghost norms are per rank",
 }
 
@@ -266,12 +265,16 @@ class Parallel:
             return count_parameters(model)
         return sum(p.numel() for p in model.parameters())
 
-    def telemetry_grad_norms(self, setting: str) -> str:
-        """The per-document gradient norm setting this layout can honour exactly."""
+    def telemetry_grad_norms(self, setting: str, has_documents: bool = True) -> str:
+        """The per-document gradient norm setting this layout can honour exactly, on a rank with
+        documents or (``has_documents=False``) with the placeholder row."""
         if not self.on:
             return setting
-        mode = "pp" if self.pipelined else "ep" if self.dims.ep > 1 else "cp" if self.dims.cp > 1 else None
-        return grad_norms_setting(setting, mode, warn=self.world.is_main)
+        mode = "pp" if self.pipelined else "cp" if self.dims.cp > 1 else None
+        setting = grad_norms_setting(setting, mode, warn=self.world.is_main)
+        # Nothing of its own to attribute; but under ep its experts serve the group's documents,
+        # and every rank of the group must join the norms' collectives.
+        return setting if has_documents or self.dims.ep > 1 else "off"
 
     # ------------------------------------------------------------------ checkpoints
     def _plain_state(self, optimizer: torch.optim.Optimizer, plain: PlainOptimizer) -> torch.optim.Optimizer:
