@@ -185,6 +185,12 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
 
+def _held(model: nn.Module) -> set[int]:
+    """The storages of the parameters and buffers this rank holds (DTensors: their local shards):
+    what the activation meter does not count as saved bytes."""
+    return {_storage(t).data_ptr() for t in [*model.parameters(), *model.buffers()]}
+
+
 class _MeteredStage(PipelineStage):
     """A PipelineStage that times each micro-batch's forward and backward and counts the
     bytes autograd saves for its backward (parameters and buffers excluded)."""
@@ -295,7 +301,7 @@ class Pipeline:
             schedule, self.pp, self.stage_rank, seq_len, memory_cap=memory_cap_bytes, trim=self.trim,
             valid_microbatches=lambda m: valid_microbatches(schedule, m, self.pp))
         self.live = _Live()
-        self.own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.own = _held(model)
         self._cache: OrderedDict[tuple, tuple[list[_MeteredStage], object]] = OrderedDict()
         self._cache_size = cache_size
         self._dtypes: dict[bool, tuple[torch.dtype, torch.dtype]] = {}
@@ -324,7 +330,7 @@ class Pipeline:
                 # The stage's input holds n = width / tp positions of each row, but its attention
                 # all-gathers the whole row: the RoPE tables must cover positions 0 .. n·tp - 1.
                 module.rope_positions = self._whole_row_positions
-        self.own = {_storage(t).data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        self.own = _held(self.model)
 
     def _whole_row_positions(self, n: int) -> torch.Tensor:
         return torch.arange(n * self.tp, device=self.device)
@@ -358,8 +364,7 @@ class Pipeline:
             wrap(self.modules[s])
         self.dp = dims.dp
         # The shards this rank keeps; gathered parameters are new each step and count as saved bytes.
-        self.own = {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
-                    for t in [*self.model.parameters(), *self.model.buffers()]}
+        self.own = _held(self.model)
 
     @classmethod
     def build(cls, model: nn.Module, mesh, params, device: torch.device) -> Pipeline:

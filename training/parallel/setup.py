@@ -202,11 +202,12 @@ class Parallel:
     def writes_telemetry(self) -> bool:
         """Whether this rank records its documents' telemetry: with tp, the first rank of each
         tp group does (its ranks hold the same documents and the same, tp-summed, norms)."""
+        first_of_tp = self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0
         if self.pipelined:  # the last stage computed the losses (with tp: its first tp rank writes them)
-            return self.pipeline.has_last and (self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0)
+            return self.pipeline.has_last and first_of_tp
         if self.on and self.dims.cp > 1 and self.context.rank > 0:  # cp: rank 0 writes the cp-summed losses
             return False
-        return not self.on or self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0
+        return first_of_tp
 
     def document_losses(self, doc_loss: torch.Tensor, doc_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-document mean losses and target tokens of this rank's documents, over their whole rows."""
