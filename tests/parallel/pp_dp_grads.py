@@ -21,13 +21,16 @@ from training.parallel.distributed import shutdown
 def main(data: str, run: str, params_file: str, overrides: str, out: str) -> None:
     _, world, par, model, local = step_one(data, run, params_file, overrides, out)
     assert par.pipelined and (par.dims.dp > 1 or par.dims.tp > 1), par.describe()
+    # Filler rows this rank's plan adds to fill whole micro-batches (the test asserts some ran).
+    fillers = sum(r < 0 for p in par.pipeline.plan_for(local.batch).passes for mb in p.microbatches for r in mb)
     loss, *_ = par.pipeline.step(local.batch, local.global_tokens)
     loss = par.global_loss(loss, local.batch.n_tokens, local.global_tokens)
     grads = full_grads(model)  # over this stage's dp ranks
     parts = [None] * world.world_size
-    dist.all_gather_object(parts, grads)
+    dist.all_gather_object(parts, (grads, fillers))
     if world.is_main:
-        torch.save({"loss": float(loss), "grads": {k: v for g in parts for k, v in g.items()}}, out)
+        torch.save({"loss": float(loss), "grads": {k: v for g, _ in parts for k, v in g.items()},
+                    "fillers": sum(f for _, f in parts)}, out)
     shutdown()
 
 

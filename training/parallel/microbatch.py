@@ -140,8 +140,9 @@ class MicroBatchScheduler:
     ``stage_rank[s]`` is the pp rank holding stage ``s``; ``memory_cap`` bounds the predicted
     peak of live activation bytes on any rank (None: the first observed plan's measured peak,
     so the dynamic plan never needs more activation memory than the static one did).
-    ``trim`` False keeps every pass at full width with no filler rows (sparse attention and
-    MoE routing counts depend on padded positions, so only full rows keep them exact).
+    ``trim`` False keeps every pass at full width (sparse attention's block layout assumes the
+    full sequence); ``fillers`` False also allows no filler rows (MoE's routing counts would
+    count their tokens), so the micro-batches must split the rows exactly.
     """
 
     schedule: str
@@ -150,6 +151,7 @@ class MicroBatchScheduler:
     full_width: int
     memory_cap: float | None = None
     trim: bool = True
+    fillers: bool = True
     max_passes: int = 3
     #: Widths are rounded up to a multiple of this: each distinct pass shape costs a stage
     #: set-up (shape inference over P2P) the first time it is used.
@@ -248,7 +250,7 @@ class MicroBatchScheduler:
         seen_m = set()
         for n_mb in range(1, n_rows + 1):
             m = math.ceil(n_rows / n_mb)
-            if (not self.trim and m * n_mb != n_rows) or m in seen_m or not self.valid_microbatches(n_mb):
+            if (not self.fillers and m * n_mb != n_rows) or m in seen_m or not self.valid_microbatches(n_mb):
                 continue
             if m * n_mb - n_rows >= m:  # a whole micro-batch of filler: never better
                 continue

@@ -288,9 +288,13 @@ class Pipeline:
         self.modules = split_model(model, schedule, self.pp, self.rank)
         self.model = model
         self.device, self.seq_len, self.dim, self.vocab = device, seq_len, args.dim, args.vocab_size
-        # Padding positions reach sparse attention's block summaries and MoE routing counts:
-        # only full-width passes without filler rows keep those exactly as one process has them.
-        self.trim = args.attention == "dense" and args.ffn == "dense"
+        # Filler rows are rows of their own, and rows do not interact in attention (sparse
+        # included: its block selection is per row) but do in MoE: the routing counts that move
+        # the balancing bias would count filler tokens. Trimmed widths drop columns that sparse
+        # attention's block layout (seq_len a multiple of the block) assumes, so only a dense
+        # model runs narrow passes.
+        self.fillers = args.ffn == "dense"
+        self.trim = self.fillers and args.attention == "dense"
         if not valid_microbatches(schedule, n_microbatches, self.pp):
             raise AssayError(f"parallel: pp_schedule {schedule} cannot run {n_microbatches} micro-batches "
                              f"on pp={self.pp} (1F1B needs at least pp, DualPipeV 2·pp, the interleaved "
@@ -299,6 +303,7 @@ class Pipeline:
         self.dynamic = dynamic
         self.scheduler = MicroBatchScheduler(
             schedule, self.pp, self.stage_rank, seq_len, memory_cap=memory_cap_bytes, trim=self.trim,
+            fillers=self.fillers,
             valid_microbatches=lambda m: valid_microbatches(schedule, m, self.pp))
         self.live = _Live()
         self.own = _held(model)
@@ -455,7 +460,7 @@ class Pipeline:
     def plan_for(self, batch: Batch) -> Plan:
         lengths = batch.loss_mask.sum(1).tolist()
         try:
-            static = static_plan(len(lengths), self.n_microbatches, self.seq_len, fillers=self.trim)
+            static = static_plan(len(lengths), self.n_microbatches, self.seq_len, fillers=self.fillers)
         except ValueError as exc:
             raise AssayError(f"parallel: {exc}; set train.parallel.pp_microbatches to a divisor of "
                              "batch_size") from exc
@@ -639,10 +644,10 @@ def check_pipeline_layout(dims, params) -> None:
         # so would the number of FSDP collectives per stage.
         raise AssayError("parallel: pp_dynamic runs with pp alone; with dp_shard/dp_replicate > 1 use the static "
                          "micro-batches (--pp-static)")
-    if dims.dp > 1 and (params.model.attention != "dense" or params.model.ffn != "dense"):
-        raise AssayError("parallel: pp with data parallel needs dense attention and a dense FFN: each dp rank's "
-                         "rows are padded with filler rows to whole micro-batches, which sparse attention's block "
-                         "summaries and MoE routing counts would see")
+    if dims.dp > 1 and params.model.ffn != "dense":
+        raise AssayError("parallel: pp with data parallel needs a dense FFN: each dp rank's rows are padded with "
+                         "filler rows to whole micro-batches, whose tokens MoE's routing counts (the balancing "
+                         "bias) would count")
     _schedule(p.pp_schedule)
     n_stages = dims.pp * SCHEDULES[p.pp_schedule][1]
     split_layers(params.model.n_layers, n_stages)
