@@ -507,7 +507,8 @@ def test_cli_scores_two_checkpoints_end_to_end(tiny, tmp_path):
 
 
 def test_reference_model_gives_rho_loss(tiny, tmp_path):
-    """RHO-LOSS: ref_loss is the reference model's mean token loss on the very rows scored."""
+    """RHO-LOSS: ref_loss is the reference model's mean token loss on the very rows scored, on the
+    last checkpoint's rows (the ones the filter reads); an earlier checkpoint's rows leave it null."""
     from training.score import _resolve_checkpoints, load_model, read_scores, score_dataset
     from training.tokenizer import load_tokenizer
     from training.trainer import train
@@ -517,8 +518,14 @@ def test_reference_model_gives_rho_loss(tiny, tmp_path):
     train(open_version(tiny["data"]), ref_run, tiny_train_params(steps=5, seed=1), overwrite=True,
           progress=False, tokenizer=tok)
     out = tmp_path / "scores"
-    score_dataset(tiny["run"], tiny["data"], out, score_params(reference_model=str(ref_run)), progress=False)
-    table = read_scores(out).to_pylist()
+    score_dataset(tiny["run"], tiny["data"], out, score_params(reference_model=str(ref_run), checkpoints=[5, "last"]),
+                  progress=False)
+    rows = read_scores(out).to_pylist()
+    last = max(r["step"] for r in rows)
+    assert {r["step"] for r in rows} == {5, last} and last > 5
+    assert all(r["ref_loss"] is None for r in rows if r["step"] == 5)
+    table = [r for r in rows if r["step"] == last]
+    assert table and all(r["ref_loss"] is not None for r in table)
     (ck,) = _resolve_checkpoints(ref_run, ["last"])
     ref_model = load_model(ck.path, ck.state, tok.get_vocab_size(), torch.device("cpu"))
     texts = {document_id(s, loc): text for s, loc, text, *_ in tiny["rows"]}

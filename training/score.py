@@ -635,8 +635,11 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
             references, stratum_index = _stack_references(grads, info["strata"], strata_names, dev)
             for b, texts in _iter_blocks(version, params.part_docs, blocks):
                 scored = _rows_for(texts, tokenizer, seq_len, params.max_rows)
-                table = _score_rows(model, scored, docs, references, stratum_index, ref_model, ck.step, params,
-                                    precision, dev, tick)
+                # The filter reads a document's ref_loss at its last scored checkpoint only, and
+                # the reference model's loss does not depend on the checkpoint: earlier ones skip it.
+                last = c == len(checkpoints) - 1
+                table = _score_rows(model, scored, docs, references, stratum_index, ref_model if last else None,
+                                    ck.step, params, precision, dev, tick)
                 _write_part(out / shard_name(c * n_blocks + b), table)
             del model
 
