@@ -151,6 +151,9 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
         except json.JSONDecodeError:
             previous = None
         if previous == fingerprint:
+            # A commit killed after its manifest leaves its staging area inside the dataset
+            # folder, which DVC would hash with the data.
+            shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
             return True
         if not overwrite:
             raise AssayError(
