@@ -403,6 +403,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
             else:
                 for moe in model.moe_layers():  # a skipped step's routing counts are dropped too
                     moe.tokens_per_expert.zero_()
+            if params.model.ffn == "moe":  # pp: each rank's maximum is over its own stages' layers
+                moe_load = par.stage_max(moe_load)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
@@ -445,8 +447,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,
     }
-    if model.moe_layers():
-        metrics["moe_bias_abs_max"] = max(float(m.expert_bias.abs().max()) for m in model.moe_layers())
+    if params.model.ffn == "moe":
+        metrics["moe_bias_abs_max"] = par.stage_max(max(float(m.expert_bias.abs().max()) for m in model.moe_layers()))
     metrics["parallel"] = par.describe()
     metrics["memory_per_rank"] = memory  # bytes of parameters, gradients and optimizer state
     world.on_main(lambda: atomic_write_json(out / METRICS_FILE, metrics))

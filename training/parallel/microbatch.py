@@ -30,6 +30,7 @@ observations, makes the same one.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -83,14 +84,11 @@ class Plan:
         return sorted(r for p in self.passes for mb in p.microbatches for r in mb if r >= 0)
 
 
-def static_plan(n_rows: int, n_microbatches: int, width: int, fillers: bool = True) -> Plan:
+def static_plan(n_rows: int, n_microbatches: int, width: int) -> Plan:
     """The static pipeline: the batch in its order, ``n_microbatches`` equal slices, full width."""
     if n_microbatches < 1:
         raise ValueError(f"pp_microbatches must be >= 1, not {n_microbatches}")
     m = math.ceil(n_rows / n_microbatches)
-    if not fillers and m * n_microbatches != n_rows:
-        raise ValueError(f"{n_rows} rows do not split into {n_microbatches} equal micro-batches "
-                         "(and filler rows are off for this model)")
     rows = list(range(n_rows)) + [-1] * (m * n_microbatches - n_rows)
     return Plan((Pass(tuple(tuple(rows[i * m:(i + 1) * m]) for i in range(n_microbatches)), width),))
 
@@ -140,9 +138,8 @@ class MicroBatchScheduler:
     ``stage_rank[s]`` is the pp rank holding stage ``s``; ``memory_cap`` bounds the predicted
     peak of live activation bytes on any rank (None: the first observed plan's measured peak,
     so the dynamic plan never needs more activation memory than the static one did).
-    ``trim`` False keeps every pass at full width (sparse attention's block layout assumes the
-    full sequence); ``fillers`` False also allows no filler rows (MoE's routing counts would
-    count their tokens), so the micro-batches must split the rows exactly.
+    ``trim`` False keeps every pass at full width: sparse attention's block layout assumes the
+    whole sequence, and MoE's routing counts include padding positions in one process too.
     """
 
     schedule: str
@@ -151,7 +148,6 @@ class MicroBatchScheduler:
     full_width: int
     memory_cap: float | None = None
     trim: bool = True
-    fillers: bool = True
     max_passes: int = 3
     #: Widths are rounded up to a multiple of this: each distinct pass shape costs a stage
     #: set-up (shape inference over P2P) the first time it is used.
@@ -243,20 +239,25 @@ class MicroBatchScheduler:
         q = self.width_quantum
         return min(self.full_width, max(q, math.ceil(longest / q) * q))
 
-    def _best_pass(self, models, n_rows: int, width: int, fill: float,
+    def _best_pass(self, models, n_rows: Sequence[int], widths: Sequence[int], fill: float,
                    overhead: float) -> tuple[float, float, int] | None:
-        """(seconds, peak bytes, M) of the best micro-batch count for ``n_rows`` rows at ``width``."""
+        """(seconds, peak bytes, M) of the best micro-batch count for a pass in which rank ``r`` of
+        the data-parallel group runs ``n_rows[r]`` rows at ``widths[r]`` (one rank: pp alone). All
+        run ``M`` micro-batches, a rank with fewer rows than ``M`` whole filler ones; the pass takes
+        its slowest rank's time."""
+        most = max(n_rows)
         best = None
         seen_m = set()
-        for n_mb in range(1, n_rows + 1):
-            m = math.ceil(n_rows / n_mb)
-            if (not self.fillers and m * n_mb != n_rows) or m in seen_m or not self.valid_microbatches(n_mb):
+        for n_mb in range(1, most + 1):
+            m = math.ceil(most / n_mb)
+            if m in seen_m or not self.valid_microbatches(n_mb):
                 continue
-            if m * n_mb - n_rows >= m:  # a whole micro-batch of filler: never better
+            if m * n_mb - most >= m:  # a whole micro-batch of filler on the busiest rank: never better
                 continue
             seen_m.add(m)
-            seconds = (n_mb + fill) * self._rank_time(models, m, width) + n_mb * overhead
-            peak = self.in_flight(n_mb) * self._rank_bytes(models, m, width)
+            shapes = [(max(1, math.ceil(n / n_mb)), w) for n, w in zip(n_rows, widths)]
+            seconds = max((n_mb + fill) * self._rank_time(models, mr, w) + n_mb * overhead for mr, w in shapes)
+            peak = max(self.in_flight(n_mb) * self._rank_bytes(models, mr, w) for mr, w in shapes)
             # A hair of slack: the fitted bytes of the very plan that set the cap must fit it.
             if self.memory_cap is not None and peak > self.memory_cap * (1 + 1e-6):
                 continue
@@ -280,45 +281,65 @@ class MicroBatchScheduler:
         With a ``baseline`` (the static plan), it is kept unless the best plan is predicted at
         least ``margin`` faster or the baseline breaks the cap: the fits come from wall clocks,
         and a plan switched on a noise-sized difference costs a stage set-up and buys nothing."""
+        plans = self.plan_together([lengths], None if baseline is None else [baseline])
+        return None if plans is None else plans[0]
+
+    def plan_together(self, lengths: Sequence[Sequence[int]],
+                      baselines: Sequence[Plan] | None = None) -> list[Plan] | None:
+        """:meth:`plan` for the ranks of a data-parallel group, rank ``r`` holding rows of
+        ``lengths[r]``: their plans run the same number of passes with the same micro-batch
+        counts, so that each stage's FSDP/DDP collectives pair up across the ranks; rows and
+        widths are each rank's own. Buckets are cut at common widths, a pass costs its slowest
+        rank's time, and a rank with no rows in a bucket runs that pass on filler rows."""
         if not self.samples:
             return None
         models = self._models()
         fill, overhead = self.overheads(models)
-        lengths = np.asarray(lengths)
-        order = sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r))
-        widths = [self._width(int(lengths[r])) for r in order]
-        # Cut points: only where the (rounded) width changes, so a bucket never splits rows
-        # that would run at the same width.
-        cuts = [i for i in range(1, len(order)) if widths[i] != widths[i - 1]] if self.trim else []
+        orders, widths = [], []
+        for rank_lengths in lengths:
+            order = sorted(range(len(rank_lengths)), key=lambda r: (-int(rank_lengths[r]), r))
+            orders.append(order)
+            widths.append([self._width(int(rank_lengths[r])) for r in order])
+        # Cut widths: a bucket holds the rows at most one cut and above the next; cutting only at
+        # widths some row has, so a bucket never splits rows that would run at the same width.
+        negated = [[-w for w in ws] for ws in widths]  # ascending, for bisect
+        every = sorted({w for ws in widths for w in ws}, reverse=True)
+        cuts = every[1:] if self.trim else []
         best: tuple[float, float, list] | None = None
         for k in range(0, min(self.max_passes, len(cuts) + 1)):
             for chosen in combinations(cuts, k):
-                bounds = [0, *chosen, len(order)]
+                bounds = [math.inf, *chosen, 0]
                 total, peak, passes = 0.0, 0.0, []
-                for lo, hi in zip(bounds, bounds[1:]):
-                    found = self._best_pass(models, hi - lo, widths[lo], fill, overhead)
+                for high, low in zip(bounds, bounds[1:]):
+                    # Each rank's rows of width in (low, high]: a slice of its rows sorted widest first.
+                    # Never empty on every rank: a cut is some row's width, and the first bucket holds the widest.
+                    spans = [(bisect_left(neg, -high), bisect_left(neg, -low)) for neg in negated]
+                    rows = [order[a:b] for order, (a, b) in zip(orders, spans)]
+                    pass_widths = [ws[a] if a < b else self._width(0) for ws, (a, b) in zip(widths, spans)]
+                    found = self._best_pass(models, [len(r) for r in rows], pass_widths, fill, overhead)
                     if found is None:
                         break
                     total += found[0]
                     peak = max(peak, found[1])
-                    passes.append((lo, hi, found[2]))
+                    passes.append((rows, pass_widths, found[2]))
                 else:
                     if best is None or (total, peak) < best[:2]:
                         best = (total, peak, passes)
         if best is None:
             return None
-        out = []
-        for lo, hi, n_mb in best[2]:
-            rows = order[lo:hi]
-            m = math.ceil(len(rows) / n_mb)
-            rows = rows + [-1] * (m * n_mb - len(rows))
-            out.append(Pass(tuple(tuple(rows[i * m:(i + 1) * m]) for i in range(n_mb)), widths[lo]))
-        chosen = Plan(tuple(out), best[0], best[1])
-        if baseline is not None:
-            seconds, peak = self.predict(baseline)
+        chosen = []
+        for rank in range(len(lengths)):
+            out = []
+            for rows, pass_widths, n_mb in best[2]:
+                mine = rows[rank]
+                m = max(1, math.ceil(len(mine) / n_mb))
+                mine = mine + [-1] * (m * n_mb - len(mine))
+                out.append(Pass(tuple(tuple(mine[i * m:(i + 1) * m]) for i in range(n_mb)), pass_widths[rank]))
+            chosen.append(Plan(tuple(out), best[0], best[1]))
+        if baselines is not None:
+            predicted = [self.predict(b) for b in baselines]
+            seconds, peak = max(p[0] for p in predicted), max(p[1] for p in predicted)
             fits = self.memory_cap is None or peak <= self.memory_cap * (1 + 1e-6)
-            if fits and chosen.predicted_seconds * (1 + self.margin) >= seconds:
-                return Plan(baseline.passes, seconds, peak)
+            if fits and best[0] * (1 + self.margin) >= seconds:
+                return [Plan(b.passes, seconds, peak) for b in baselines]
         return chosen
-
-

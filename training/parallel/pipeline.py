@@ -65,7 +65,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from assay.errors import AssayError
 from training.data import Batch
 from training.grad_norms import token_losses
-from training.parallel.microbatch import MicroBatchScheduler, Plan, Sample, static_plan
+from training.moe import MoE
+from training.parallel.microbatch import MicroBatchScheduler, Pass, Plan, Sample, static_plan
 
 __all__ = ["SCHEDULES", "Pipeline", "StepStats", "check_pipeline_layout", "split_layers",
            "split_model", "stage_ids", "valid_microbatches"]
@@ -202,6 +203,8 @@ class _MeteredStage(PipelineStage):
         self.backward_s: dict[int, float] = {}
         self.saved: dict[int, float] = {}
         self.last_chunk = 0
+        #: Per micro-batch of the current pass, which of its rows are fillers (only those with some).
+        self.filler_rows: dict[int, torch.Tensor] = {}
 
     def reset_meter(self) -> None:
         self.forward_s, self.backward_s, self.saved = {}, {}, {}
@@ -226,6 +229,8 @@ class _MeteredStage(PipelineStage):
         start = time.perf_counter()
         with self.counting(fwd_chunk_id):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if fwd_chunk_id in self.filler_rows:
+            _uncount_fillers(self.submod, self.filler_rows[fwd_chunk_id])
         self.forward_s[fwd_chunk_id] = time.perf_counter() - start
         self.last_chunk = fwd_chunk_id
         return out
@@ -245,6 +250,40 @@ class _MeteredStage(PipelineStage):
         self.backward_s[bwd_chunk_id] = self.backward_s.get(bwd_chunk_id, 0.0) + time.perf_counter() - start
         self.live.add(-self.saved.get(bwd_chunk_id, 0.0))
         return out
+
+
+def _keep_earlier_grads(earlier: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    """Put back the gradients earlier passes of the step left, where the pass just run dropped
+    them: torch's schedules clear FSDP-managed gradients when they first run a stage set
+    (``_post_metadata_inference_cleanup``, with static metadata too), so a pass whose shape is new
+    would lose them (measured: step 1's gradients at 11-31% of their norm). FSDP adds a pass's
+    reduced gradient into the one it finds in place, so a gradient that is still the same object
+    already holds the sum."""
+    for param, grad in earlier:
+        if param.grad is not grad:
+            if param.grad is not None:
+                grad.add_(param.grad)
+            param.grad = grad
+
+
+def _filler_rows(p: Pass) -> dict[int, torch.Tensor]:
+    """Micro-batch index -> which of its rows are fillers, for the micro-batches with some."""
+    return {i: torch.tensor([r < 0 for r in mb]) for i, mb in enumerate(p.microbatches) if min(mb) < 0}
+
+
+def _uncount_fillers(module: nn.Module, filler: torch.Tensor) -> None:
+    """Take the filler rows' tokens back out of the routing counts of the MoE layers in
+    ``module``, whose last forward was this micro-batch's: one process never sees those rows,
+    and the balancing bias moves by the counts. ``filler``: (rows,) bool."""
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        token_ids, counts = moe.last_dispatch
+        width = int(counts.sum()) // moe.topk // len(filler)
+        is_filler = filler.to(token_ids.device).repeat_interleave(width)
+        expert = torch.repeat_interleave(torch.arange(moe.n_experts, device=counts.device), counts)
+        drop = torch.bincount(expert[is_filler[token_ids]], minlength=moe.n_experts)
+        with torch.no_grad():
+            moe.tokens_per_expert.sub_(drop.to(moe.tokens_per_expert.dtype))
+        moe.last_tokens_per_expert = counts - drop
 
 
 @dataclass
@@ -288,13 +327,12 @@ class Pipeline:
         self.modules = split_model(model, schedule, self.pp, self.rank)
         self.model = model
         self.device, self.seq_len, self.dim, self.vocab = device, seq_len, args.dim, args.vocab_size
-        # Filler rows are rows of their own, and rows do not interact in attention (sparse
-        # included: its block selection is per row) but do in MoE: the routing counts that move
-        # the balancing bias would count filler tokens. Trimmed widths drop columns that sparse
-        # attention's block layout (seq_len a multiple of the block) assumes, so only a dense
-        # model runs narrow passes.
-        self.fillers = args.ffn == "dense"
-        self.trim = self.fillers and args.attention == "dense"
+        # Trimmed widths drop columns that sparse attention's block layout (seq_len a multiple
+        # of the block) assumes and that MoE's routing counts include in one process (padding
+        # positions route too): only a dense model runs narrow passes. Filler rows suit every
+        # model: rows never interact in attention (sparse included: its block selection is per
+        # row), and their MoE routing counts are taken back out (_uncount_fillers).
+        self.trim = args.attention == "dense" and args.ffn == "dense"
         if not valid_microbatches(schedule, n_microbatches, self.pp):
             raise AssayError(f"parallel: pp_schedule {schedule} cannot run {n_microbatches} micro-batches "
                              f"on pp={self.pp} (1F1B needs at least pp, DualPipeV 2·pp, the interleaved "
@@ -303,7 +341,6 @@ class Pipeline:
         self.dynamic = dynamic
         self.scheduler = MicroBatchScheduler(
             schedule, self.pp, self.stage_rank, seq_len, memory_cap=memory_cap_bytes, trim=self.trim,
-            fillers=self.fillers,
             valid_microbatches=lambda m: valid_microbatches(schedule, m, self.pp))
         self.live = _Live()
         self.own = _held(model)
@@ -314,7 +351,7 @@ class Pipeline:
         self._acc: dict[str, torch.Tensor] = {}
         # DP × PP (apply_data_parallel): dp ranks whose gradients the wrappers average, and the
         # group over which a stage's parameters are sharded (their squared norms add over it).
-        self.dp, self.shard_group = 1, None
+        self.dp, self.shard_group, self.dp_group = 1, None, None
         # TP × PP (apply_tensor_parallel): the residual stream between stages is split along the
         # sequence over tp ranks (sequence parallel), so a stage boundary carries width / tp positions.
         self.tp = 1
@@ -367,7 +404,7 @@ class Pipeline:
             wrap(block)
         for s in sorted(self.modules):
             wrap(self.modules[s])
-        self.dp = dims.dp
+        self.dp, self.dp_group = dims.dp, dims.dp_mesh(mesh).get_group()
         # The shards this rank keeps; gathered parameters are new each step and count as saved bytes.
         self.own = _held(self.model)
 
@@ -460,13 +497,21 @@ class Pipeline:
     def plan_for(self, batch: Batch) -> Plan:
         lengths = batch.loss_mask.sum(1).tolist()
         try:
-            static = static_plan(len(lengths), self.n_microbatches, self.seq_len, fillers=self.fillers)
+            static = static_plan(len(lengths), self.n_microbatches, self.seq_len)
         except ValueError as exc:
-            raise AssayError(f"parallel: {exc}; set train.parallel.pp_microbatches to a divisor of "
-                             "batch_size") from exc
-        if self.dynamic:
+            raise AssayError(f"parallel: {exc}") from exc
+        if not self.dynamic:
+            return static
+        if self.dp == 1:
             return self.scheduler.plan(lengths, baseline=static) or static
-        return static
+        # DP × PP: a stage's dp ranks run the same passes and micro-batch counts, or their
+        # collectives would not pair up; every rank plans for all of them from the same
+        # (world-gathered) observations, so they all choose alike.
+        everyone: list = [None] * self.dp
+        dist.all_gather_object(everyone, lengths, group=self.dp_group)
+        baselines = [static_plan(len(rows), self.n_microbatches, self.seq_len) for rows in everyone]
+        plans = self.scheduler.plan_together(everyone, baselines)
+        return static if plans is None else plans[dist.get_rank(self.dp_group)]
 
     def step(self, batch: Batch, global_tokens: int | None = None, loss_scale: float = 1.0
              ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
@@ -500,13 +545,16 @@ class Pipeline:
             packed = torch.stack([batch.targets[take, :p.width], mask.long(), doc], dim=-1)
             for s in stages:
                 s.reset_meter()
+                s.filler_rows = _filler_rows(p)
             self._acc["loss_s"] = 0.0
             losses: list[torch.Tensor] = []
             args = (tokens.to(self.device),) if 0 in self.local else ()
             target = packed.to(self.device) if self.has_last else None
+            earlier = [(q, q.grad) for q in self.model.parameters() if q.grad is not None] if self.dp > 1 else []
             start = time.perf_counter()
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
             walls.append(time.perf_counter() - start)
+            _keep_earlier_grads(earlier)
             losses_all.extend(losses)
             padded += tokens.numel()
             # The loss runs on the last stage after its forward: the cost model counts it there.
@@ -520,12 +568,17 @@ class Pipeline:
         loss = (torch.stack(losses_all).sum().detach().float() / (self.dp * loss_scale) if self.has_last
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
-        gathered: list = [None] * self.pp
-        dist.all_gather_object(gathered, (samples, walls, busy, self.live.peak), group=self.group)
+        # Under DP × PP over every rank, so that all dp ranks' schedulers hold the same
+        # observations (plan_for); a pass is recorded at its busiest rank's shape.
+        group = self.group if self.dp == 1 else None
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (samples, walls, busy, self.live.peak, plan.passes), group=group)
         all_samples = [x for g in gathered for x in g[0]]
         pass_walls = [max(g[1][i] for g in gathered) for i in range(len(plan.passes))]
         peak = max(g[3] for g in gathered)
-        self.scheduler.observe(all_samples, list(zip(plan.passes, pass_walls)), peak)
+        busiest = [max((g[4][i] for g in gathered), key=lambda p: (p.rows * p.width, p.width))
+                   for i in range(len(plan.passes))]
+        self.scheduler.observe(all_samples, list(zip(busiest, pass_walls)), peak)
         self.last = StepStats(sum(pass_walls), [g[2] for g in gathered], peak, padded,
                               tuple(p.shape for p in plan.passes))
         doc_loss = self._acc["doc_sum"] / self._acc["doc_tokens"].clamp_min(1)
@@ -611,6 +664,8 @@ class Pipeline:
                     out = self._forward_only(batch.tokens[take].to(device))
                 else:
                     stages, schedule = self._stages(*p.shape)
+                    for s in stages:
+                        s.filler_rows = _filler_rows(p)
                     self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
                     out = schedule.eval(*((batch.tokens[take].to(device),) if 0 in self.local else ()),
                                         target=packed if self.has_last else None)
@@ -637,17 +692,8 @@ def check_pipeline_layout(dims, params) -> None:
     if dims.tp > 1 and p.pp_dynamic:
         # The dynamic plans trim passes to the longest row of a micro-batch: any width, while
         # sequence parallel needs widths that split over the tp ranks.
-        raise AssayError("parallel: pp_dynamic runs with pp alone; with tp > 1 use the static micro-batches "
+        raise AssayError("parallel: pp_dynamic does not run with tp > 1; use the static micro-batches "
                          "(--pp-static)")
-    if dims.dp > 1 and p.pp_dynamic:
-        # Each dp rank plans its own rows: the plans (passes, micro-batch counts) would differ, and
-        # so would the number of FSDP collectives per stage.
-        raise AssayError("parallel: pp_dynamic runs with pp alone; with dp_shard/dp_replicate > 1 use the static "
-                         "micro-batches (--pp-static)")
-    if dims.dp > 1 and params.model.ffn != "dense":
-        raise AssayError("parallel: pp with data parallel needs a dense FFN: each dp rank's rows are padded with "
-                         "filler rows to whole micro-batches, whose tokens MoE's routing counts (the balancing "
-                         "bias) would count")
     _schedule(p.pp_schedule)
     n_stages = dims.pp * SCHEDULES[p.pp_schedule][1]
     split_layers(params.model.n_layers, n_stages)

@@ -8,6 +8,8 @@ one, so ``training.trainer`` has one code path.
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,12 +219,23 @@ class Parallel:
 
     def sum_moe_loads(self, model: nn.Module, has_documents: bool) -> None:
         """Aux-loss-free balancing sees the global batch's expert loads, as one process would."""
-        if not self.on or self.pipelined:  # pp: each rank's own layers saw the whole batch
+        if not self.on or (self.pipelined and self.dims.dp == 1):  # pp: each stage saw the whole batch
             return
+        # DP × PP: a stage's layers saw this dp rank's rows; the stage's dp ranks add theirs.
+        group = self.dims.dp_mesh(self.mesh).get_group() if self.pipelined else None
         for moe in model.moe_layers():
             if not has_documents:  # the placeholder row is not part of the batch
                 moe.tokens_per_expert.zero_()
-            dist.all_reduce(moe.tokens_per_expert)
+            dist.all_reduce(moe.tokens_per_expert, group=group)
+
+    def stage_max(self, value: float | None) -> float | None:
+        """A per-layer statistic's largest value over the whole model: under pp each rank's is
+        over its own stages' layers (call on every rank; None: no value anywhere)."""
+        if not self.on or not self.pipelined:
+            return value
+        box = torch.tensor([-math.inf if value is None else value], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.pipeline.group)
+        return None if box.item() == -math.inf else box.item()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         if not self.on:
