@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -213,7 +214,34 @@ def _assert_same_output(stage: str, out: Path, ref: Path) -> dict[str, int]:
     assert sum(b.num_rows for b in iter_batches(out)) == want["docs"].num_rows
     manifest_of = lambda d: json.loads((d / "manifest.json").read_text())  # noqa: E731
     assert manifest_of(out)["fingerprint"] == manifest_of(ref)["fingerprint"]
+    if stage == "dedup":
+        _assert_same_graph(out, ref, got["decisions"].column("id").to_pylist())
     return {name: t.num_rows for name, t in got.items()}
+
+
+def _assert_same_graph(out: Path, ref: Path, ids: list[str]) -> None:
+    """Dedup's graph upsert into the local vector store (OUT/vectors): every judged document's
+    record (properties, vector, duplicate_of, clusters), every cluster, the sources and the count
+    equal the uninterrupted run's, read through the store's own API."""
+    from assay.vectors.local import LocalVectorStore
+
+    with LocalVectorStore(out / "vectors") as mine, LocalVectorStore(ref / "vectors") as theirs:
+        assert mine.count() == theirs.count() > 0
+        assert mine.sources() == theirs.sources()
+        clusters = set()
+        for doc_id in ids:
+            a, b = mine.get(doc_id), theirs.get(doc_id)
+            assert (a is None) == (b is None), doc_id
+            if b is None:
+                continue
+            assert a.properties() == b.properties(), doc_id
+            assert (a.duplicate_of, a.clusters) == (b.duplicate_of, b.clusters), doc_id
+            assert (a.vector is None) == (b.vector is None), doc_id
+            if b.vector is not None:
+                assert np.array_equal(a.vector, b.vector), doc_id
+            clusters.update(b.clusters)
+        for cluster_id in sorted(clusters):
+            assert mine.get_cluster(cluster_id) == theirs.get_cluster(cluster_id), cluster_id
 
 
 # --- the tests --------------------------------------------------------------------------
