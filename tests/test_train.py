@@ -178,6 +178,38 @@ def test_a_loss_spike_skips_the_step_and_flags_its_documents(tmp_path):
     assert steps == {float(params.steps - len(spikes))}
 
 
+def test_a_skipped_step_drops_its_moe_routing_counts_and_a_taken_one_moves_the_bias():
+    """`end_moe_step`, the trainer's MoE balancing after each step: a skipped step (a loss or
+    gradient spike) leaves the bias as it was and drops the step's routing counts, so the next
+    update sees the next step's tokens alone; a taken step moves the bias and reports the worst
+    layer's max/mean load."""
+    from training.model import ModelArgs, Transformer
+    from training.parallel.distributed import init_distributed
+    from training.parallel.setup import Parallel
+    from training.trainer import end_moe_step
+
+    params = tiny_params()
+    par = Parallel.setup(params, init_distributed())
+    model = Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=16,
+                                  ffn="moe", n_experts=4, moe_topk=2, moe_bias_gamma=0.1))
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens)
+    assert all(int(m.tokens_per_expert.sum()) == 3 * 16 * 2 for m in model.moe_layers())
+    assert end_moe_step(model, par, stepped=False) is None
+    assert all(int(m.tokens_per_expert.sum()) == 0 and not m.expert_bias.any() for m in model.moe_layers())
+    with torch.no_grad():
+        model(tokens[:1])
+    load = end_moe_step(model, par, stepped=True)
+    stats = [m.load_stats() for m in model.moe_layers()]
+    assert all(s["total"] == 0 for s in stats)  # cleared by the update
+    assert load is not None and load >= 1.0
+    assert all(m.expert_bias.abs().max() == pytest.approx(0.1) for m in model.moe_layers())
+    dense = Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=2, n_heads=2, ffn_hidden=32, max_seq_len=16))
+    assert end_moe_step(dense, par, stepped=True) is None
+
+
 # ------------------------------------------------------------------ runs in-process
 def test_training_writes_the_run_and_telemetry_contract(stdlib_data, tmp_path):
     result = train(open_version(stdlib_data), tmp_path / "run", tiny_params(steps=12), progress=False)

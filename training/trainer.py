@@ -282,6 +282,22 @@ def _restore_scaler(scaler: torch.amp.GradScaler, tensors: dict[str, torch.Tenso
 OVERFLOW = "overflow:loss_scale"
 
 
+def end_moe_step(model: Transformer, par: Parallel, stepped: bool) -> float | None:
+    """After the optimizer step, an MoE model's balancing: the bias update from the step's routing
+    counts, or on a skipped step the counts dropped with it. Returns the worst layer's max/mean
+    tokens per expert (1.0: perfect balance; None without MoE or on a skipped step), over every
+    layer of the model (under pp each rank holds its own stages' layers; every rank must call)."""
+    if not model.moe_layers():
+        return None
+    load = None
+    if stepped:
+        load = max(s["max_over_mean"] for s in model.update_moe_bias())
+    else:
+        for moe in model.moe_layers():
+            moe.tokens_per_expert.zero_()
+    return par.stage_max(load)
+
+
 # ------------------------------------------------------------------- the run
 def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resume: bool = False,
           overwrite: bool = False, allow_data_change: bool = False, device: str | None = None,
@@ -392,19 +408,12 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 reason = "skipped_step:loss_spike"
             elif spike[1]:
                 reason = "skipped_step:grad_norm_spike"
-            moe_load = None
             if reason is None:
                 scaler.step(optimizer)  # optimizer.step(); the scaler only skips it on an overflow
                 if memory is None:  # after the first step, when the optimizer state exists
                     memory = par.memory_per_rank(model, optimizer)
                 spikes.accept([loss_value, grad_norm])
-                # max/mean tokens per expert, worst layer: 1.0 is perfect balance.
-                moe_load = max((s["max_over_mean"] for s in model.update_moe_bias()), default=None)
-            else:
-                for moe in model.moe_layers():  # a skipped step's routing counts are dropped too
-                    moe.tokens_per_expert.zero_()
-            if params.model.ffn == "moe":  # pp: each rank's maximum is over its own stages' layers
-                moe_load = par.stage_max(moe_load)
+            moe_load = end_moe_step(model, par, stepped=reason is None)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
@@ -447,7 +456,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,
     }
-    if params.model.ffn == "moe":
+    if model.moe_layers():  # every rank's (pruned) model holds some under pp: each stage has a layer
         metrics["moe_bias_abs_max"] = par.stage_max(max(float(m.expert_bias.abs().max()) for m in model.moe_layers()))
     metrics["parallel"] = par.describe()
     metrics["memory_per_rank"] = memory  # bytes of parameters, gradients and optimizer state
