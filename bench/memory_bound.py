@@ -1,6 +1,7 @@
 """Benchmark: measured peak memory of ingest, static, domain and dedup on a generated corpus.
 
     .venv/bin/python bench/memory_bound.py stream --gb 2 [--models DIR] [--work /tmp/memory-bench]
+    .venv/bin/python bench/memory_bound.py stream --reuse KEPT_DIR --stages static [--env MALLOC_...=N]
     .venv/bin/python bench/memory_bound.py dedup --docs 250000,1000000 [--words 20-80,200-320]
 
 `stream` generates a JSONL corpus of about `--gb` GB (deterministic: seeded),
@@ -69,20 +70,58 @@ def status(field):
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-samples, t0 = [], time.perf_counter()
+samples, heap, t0 = [], [], time.perf_counter()
+# glibc's own account every 2 s: bytes in use (small chunks + mmapped) against free bytes its heaps keep, so a
+# rise in RSS reads as kept objects (in use grows) or fragmentation (free grows); Arrow's pool apart.
+import ctypes
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+try:
+    _mallinfo2 = ctypes.CDLL(None).mallinfo2
+    _mallinfo2.restype = _Mallinfo2
+except (OSError, AttributeError):
+    _mallinfo2 = None
 def sample():
+    n = 0
     while True:
-        samples.append((round(time.perf_counter() - t0, 1), status("VmRSS")))
+        t = round(time.perf_counter() - t0, 1)
+        samples.append((t, status("VmRSS")))
+        if _mallinfo2 is not None and n % 4 == 0:
+            m = _mallinfo2()
+            # getattr: pyarrow may be half imported (in sys.modules, not yet its functions) while the stage starts
+            arrow = getattr(sys.modules.get("pyarrow"), "total_allocated_bytes", lambda: 0)
+            heap.append((t, m.uordblks + m.hblkhd, m.fordblks, m.arena, arrow()))
+        n += 1
         time.sleep(0.5)
 threading.Thread(target=sample, daemon=True).start()
+def threshold_fixed():
+    # Whether glibc's mmap threshold stayed fixed in this process (assay/allocator.py): with the dynamic one, an
+    # 8 MiB free raises it to 8 MiB and a 1 MiB request then comes from a heap; fixed, the 1 MiB is mmapped.
+    if _mallinfo2 is None:
+        return None
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    seen = []
+    for _ in range(3):  # other threads' mmaps move the count too: the largest of three
+        libc.free(libc.malloc(8 << 20))
+        before = _mallinfo2().hblkhd
+        small = libc.malloc(1 << 20)
+        seen.append(_mallinfo2().hblkhd - before)
+        libc.free(small)
+    return max(seen) >= 1 << 20
 from assay.cli import main
 code = 0
 try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+import resource
+usage = resource.getrusage(resource.RUSAGE_SELF)
 print("MEMORY-BOUND-RESULT " + json.dumps({"rc": code, "vmhwm": status("VmHWM"), "seconds": time.perf_counter() - t0,
-                                           "samples": samples}), flush=True)
+                                           "cpu_seconds": usage.ru_utime + usage.ru_stime,
+                                           "samples": samples, "heap": heap, "mmap_threshold_fixed": threshold_fixed()}),
+      flush=True)
 sys.exit(code)
 """
 
@@ -295,11 +334,17 @@ def dataset_stats(folder: Path) -> dict:
 def stream(corpus_bytes: int, work: Path, models: Path, env: dict[str, str], timeout: float,
            stages: tuple[str, ...] = ("ingest", "static", "domain"), changes: dict | None = None,
            base: Path = ROOT / "params.yaml", seed: int = 0, copies: int = 1,
-           file_bytes: int = 256 * 2**20) -> dict:
+           file_bytes: int = 256 * 2**20, reuse: bool = False) -> dict:
     """Generate the corpus into `work`, run the stages; per stage its peak, documents, bytes and seconds.
-    The stages read `base` (params.yaml) with the model paths set to `models` and `changes` applied."""
+    The stages read `base` (params.yaml) with the model paths set to `models` and `changes` applied.
+    With `reuse`, `work` is a folder an earlier run kept: its corpus (and the outputs of stages not run
+    again) are used as they are, so variants of one stage are measured on the same input."""
     work.mkdir(parents=True, exist_ok=True)
-    corpus = generate_corpus(work / "jsonl", corpus_bytes, seed, file_bytes, copies)
+    if reuse:
+        corpus = json.loads((work / "corpus.json").read_text())
+    else:
+        corpus = generate_corpus(work / "jsonl", corpus_bytes, seed, file_bytes, copies)
+        (work / "corpus.json").write_text(json.dumps(corpus))
     params = write_params(work, models, changes, base)
     p = ["--params", str(params)]
     commands = {
@@ -310,8 +355,10 @@ def stream(corpus_bytes: int, work: Path, models: Path, env: dict[str, str], tim
     inputs = {"ingest": None, "static": work / "raw", "domain": work / "static"}
     results = {"corpus": corpus, "stages": {}}
     for stage in stages:
-        r = run_stage([*p, *commands[stage]], work, env, timeout)
         out = work / commands[stage][commands[stage].index("--out") + 1]
+        if reuse:  # a finished output would be taken as it is (same fingerprint): the stage would not run
+            shutil.rmtree(out, ignore_errors=True)
+        r = run_stage([*p, *commands[stage]], work, env, timeout)
         r["in"] = dataset_stats(inputs[stage]) if inputs[stage] else {"docs": corpus["docs"],
                                                                         "bytes": corpus["file_bytes"]}
         r["out"] = dataset_stats(out)
@@ -412,6 +459,17 @@ def _mb(b: float) -> str:
     return f"{b / 2**20:,.0f}"
 
 
+def stretches(samples: list, cuts: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 1.0)) -> list[tuple[int, int]]:
+    """(max, min) resident bytes per stretch of a run: the first tenth, then to each quarter's end. A stage
+    that keeps what it reads, or whose heap fragments, rises from stretch to stretch; a bounded one levels off."""
+    end, start, out = samples[-1][0], 0.0, []
+    for cut in cuts:
+        rss = [r for t, r in samples if start * end <= t <= cut * end] or [samples[-1][1]]
+        out.append((max(rss), min(rss)))
+        start = cut
+    return out
+
+
 def print_stream(results: dict) -> None:
     c = results["corpus"]
     print(f"\ncorpus: {c['docs']:,} documents ({c['code_docs']:,} Python), {c['text_bytes'] / 1e9:.2f} GB of text, "
@@ -423,6 +481,15 @@ def print_stream(results: dict) -> None:
         bytes_in = r["in"].get("bytes", r["in"].get("text_bytes_uncompressed"))
         print(f"| {stage} | {r['in']['docs']:,} | {bytes_in / 1e9:.2f} GB | {r['out']['docs']:,} | "
               f"{_mb(r['vmhwm'])} | {r['seconds']:.0f} |")
+    for stage, r in results["stages"].items():
+        parts = stretches(r["samples"])
+        print(f"{stage}: {r.get('cpu_seconds', 0):.0f} s of CPU; RSS max (min) MiB by stretch (0-10-25-50-75-100%): "
+              + ", ".join(f"{_mb(hi)} ({_mb(lo)})" for hi, lo in parts))
+        if r.get("heap"):  # glibc's in-use and free bytes, and Arrow's, at the end of each stretch
+            end = r["heap"][-1][0]
+            at = [min(r["heap"], key=lambda h: abs(h[0] - cut * end)) for cut in (0.1, 0.25, 0.5, 0.75, 1.0)]
+            print(f"{stage} malloc in use / free in its heaps / Arrow MiB at those points: "
+                  + ", ".join(f"{_mb(h[1])} / {_mb(h[2])} / {_mb(h[4])}" for h in at))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -434,6 +501,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--stages", default="ingest,static,domain", help="stages to run, in order")
     s.add_argument("--batch-bytes", type=int, default=None,
                    help="io.batch_bytes for the run (default: params.yaml's; a huge value: batches of rows only)")
+    s.add_argument("--reuse", type=Path, default=None,
+                   help="a work folder kept by an earlier run (--keep): its corpus and outputs are used as they "
+                        "are (no generation; --gb is ignored), and it is kept")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every stage's environment (e.g. MALLOC_MMAP_THRESHOLD_=262144); repeatable")
     d = sub.add_parser("dedup", help="dedup's whole-stage peak on N short documents")
     d.add_argument("--docs", default="250000,1000000", help="document counts, comma-separated")
     d.add_argument("--words", default="20-80", help="document lengths in words, comma-separated ranges")
@@ -445,11 +517,18 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--json", type=Path, help="also write every measurement here")
     args = parser.parse_args(argv)
 
-    work = args.work / f"{args.what}-{os.getpid()}"
+    reuse = getattr(args, "reuse", None)
+    work = reuse.resolve() if reuse else args.work / f"{args.what}-{os.getpid()}"
+    if reuse:
+        args.keep = True
     work.mkdir(parents=True, exist_ok=True)
+    print(f"work folder: {work}", flush=True)
     try:
         with PrefectServer(work) as server:
             env = stage_env(server.url)
+            for pair in getattr(args, "env", []):
+                key, _, value = pair.partition("=")
+                env[key] = value
             models = args.models
             if models is None:
                 started = time.perf_counter()
@@ -459,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.what == "stream":
                 changes = {"io": {"batch_bytes": args.batch_bytes}} if args.batch_bytes else None
                 results = stream(int(args.gb * 1e9), work, models, env, args.timeout,
-                                 tuple(args.stages.split(",")), changes)
+                                 tuple(args.stages.split(",")), changes, reuse=reuse is not None)
                 print_stream(results)
             else:
                 results = {"dedup": []}

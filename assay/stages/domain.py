@@ -36,6 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from assay.allocator import bound_heap_growth
 from assay.config import DomainModelParams, DomainParams, Params
 from assay.domain.perplexity import PerplexityScorer, estimate_band
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, KIND_CODE
@@ -66,6 +67,9 @@ _LOCK = threading.Lock()
 
 
 def load_models(params: DomainParams) -> DomainModels:
+    # Before any document is read, as in static (assay/allocator.py: megabyte documents' buffers
+    # would otherwise fragment glibc's heaps once the first large one is freed).
+    bound_heap_growth()
     key = json.dumps(params, default=lambda o: o.__dict__, sort_keys=True)
     with _LOCK:
         if key not in _MODELS:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from assay.allocator import bound_heap_growth
 from assay.config import Params, StaticParams
 from assay.encoder import Encoder, shared_encoder
 from assay.quality.scorer import Scorer, build_scorer, encoder_for
@@ -57,6 +58,10 @@ _MODELS_LOCK = threading.Lock()
 
 def load_models(params: StaticParams) -> StaticModels:
     """Models are loaded once per process and shared by the stage's tasks."""
+    # Before any document is read: with glibc's dynamic mmap threshold, the 0.4-5 MB documents' buffers come
+    # from the heaps after the first large free and fragment them, and static's RSS rose through a 1-2 GB run;
+    # with the threshold fixed it stays level (assay/allocator.py, RELIABILITY.md).
+    bound_heap_growth()
     key = json.dumps(params.__dict__, default=lambda o: o.__dict__, sort_keys=True)
     with _MODELS_LOCK:
         if key not in _MODELS:
