@@ -42,11 +42,17 @@ STAGE_TIMEOUT_S = 600
 POLL_S = 0.01
 
 
+#: Secrets a user's environment may hold (RELIABILITY.md, "Security defaults"): every stage below runs with
+#: them set (no WEAVIATE_URL, so nothing connects), and none may reach an output, a log or a manifest.
+SECRETS = {"WEAVIATE_API_KEY": "wv-key-5d41402abc4b2a76", "AWS_ACCESS_KEY_ID": "AKIAASSAYTESTKEY0001",
+           "AWS_SECRET_ACCESS_KEY": "aws-secret-7d793037a0760186574b"}
+
+
 def _env() -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL
 
     # The session's Prefect API (tests/conftest.py): without it every CLI call starts its own server.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **SECRETS)
     url = PREFECT_API_URL.value()
     if url:
         env["PREFECT_API_URL"] = url
@@ -56,6 +62,8 @@ def _env() -> dict[str, str]:
 def _cli(args: list[str], cwd: Path, env: dict[str, str]) -> None:
     proc = subprocess.run([ASSAY, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
     assert proc.returncode == 0, f"assay {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    leaked = [name for name, value in SECRETS.items() if value in proc.stdout + proc.stderr]
+    assert not leaked, f"assay {' '.join(args)} printed {leaked}"
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +367,16 @@ def test_training_resumes_exactly_after_a_kill_inside_a_checkpoint_write(tmp_pat
     assert _history(killed) == _history(tmp_path / "straight")
     assert read_telemetry(killed).equals(read_telemetry(tmp_path / "straight"))
     print(json.dumps({"stage": "train", "kill": "inside save of step 40", "attempts": landed + 1}))
+
+
+def test_secrets_in_the_environment_never_reach_the_outputs(pipeline):
+    """The whole chain above (ingest, both models, static, domain, dedup with its graph upsert, round 0,
+    score, dynamic, and every killed and resumed run) ran with WEAVIATE_API_KEY and AWS credentials set:
+    no byte of any file it wrote (datasets, decisions, manifests, models, runs, telemetry, staging
+    leftovers, params.yaml) holds one, and no CLI call printed one (checked in `_cli`)."""
+    files = [p for p in pipeline["root"].rglob("*") if p.is_file()]
+    assert len(files) > 50 and any(p.name == "manifest.json" for p in files)
+    for path in files:
+        data = path.read_bytes()
+        leaked = [name for name, value in SECRETS.items() if value.encode() in data]
+        assert not leaked, f"{path.relative_to(pipeline['root'])} holds {leaked}"
