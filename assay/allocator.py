@@ -58,3 +58,39 @@ def bound_heap_growth() -> bool:
         # Free space already inside the heaps still serves large requests; new ones no longer grow them.
         _DONE = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
         return _DONE
+
+
+class Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc >= 2.33)."""
+
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def mallinfo() -> Mallinfo2 | None:
+    """glibc's account of this process's heaps (``uordblks`` + ``hblkhd`` in use, ``fordblks`` free inside
+    the heaps); None where the C library has no ``mallinfo2``. For the memory benchmark and its tests."""
+    try:
+        call = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    call.restype = Mallinfo2
+    return call()
+
+
+def large_requests_mmapped() -> bool | None:
+    """Whether a 1 MiB request is mmapped right after an 8 MiB free: True once the threshold is fixed,
+    False under glibc's dynamic one (the free raised it to 8 MiB); None where not glibc. The largest of
+    three tries, since other threads' mmaps move the count too."""
+    if mallinfo() is None:
+        return None
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    seen = []
+    for _ in range(3):
+        libc.free(libc.malloc(8 << 20))
+        before = mallinfo().hblkhd
+        small = libc.malloc(1 << 20)
+        seen.append(mallinfo().hblkhd - before)
+        libc.free(small)
+    return max(seen) >= 1 << 20

@@ -73,43 +73,20 @@ def status(field):
 samples, heap, t0 = [], [], time.perf_counter()
 # glibc's own account every 2 s: bytes in use (small chunks + mmapped) against free bytes its heaps keep, so a
 # rise in RSS reads as kept objects (in use grows) or fragmentation (free grows); Arrow's pool apart.
-import ctypes
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-try:
-    _mallinfo2 = ctypes.CDLL(None).mallinfo2
-    _mallinfo2.restype = _Mallinfo2
-except (OSError, AttributeError):
-    _mallinfo2 = None
+from assay.allocator import large_requests_mmapped, mallinfo
 def sample():
     n = 0
     while True:
         t = round(time.perf_counter() - t0, 1)
         samples.append((t, status("VmRSS")))
-        if _mallinfo2 is not None and n % 4 == 0:
-            m = _mallinfo2()
+        m = mallinfo() if n % 4 == 0 else None
+        if m is not None:
             # getattr: pyarrow may be half imported (in sys.modules, not yet its functions) while the stage starts
             arrow = getattr(sys.modules.get("pyarrow"), "total_allocated_bytes", lambda: 0)
             heap.append((t, m.uordblks + m.hblkhd, m.fordblks, m.arena, arrow()))
         n += 1
         time.sleep(0.5)
 threading.Thread(target=sample, daemon=True).start()
-def threshold_fixed():
-    # Whether glibc's mmap threshold stayed fixed in this process (assay/allocator.py): with the dynamic one, an
-    # 8 MiB free raises it to 8 MiB and a 1 MiB request then comes from a heap; fixed, the 1 MiB is mmapped.
-    if _mallinfo2 is None:
-        return None
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-    seen = []
-    for _ in range(3):  # other threads' mmaps move the count too: the largest of three
-        libc.free(libc.malloc(8 << 20))
-        before = _mallinfo2().hblkhd
-        small = libc.malloc(1 << 20)
-        seen.append(_mallinfo2().hblkhd - before)
-        libc.free(small)
-    return max(seen) >= 1 << 20
 from assay.cli import main
 code = 0
 try:
@@ -120,7 +97,7 @@ import resource
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print("MEMORY-BOUND-RESULT " + json.dumps({"rc": code, "vmhwm": status("VmHWM"), "seconds": time.perf_counter() - t0,
                                            "cpu_seconds": usage.ru_utime + usage.ru_stime,
-                                           "samples": samples, "heap": heap, "mmap_threshold_fixed": threshold_fixed()}),
+                                           "samples": samples, "heap": heap, "mmap_threshold_fixed": large_requests_mmapped()}),
       flush=True)
 sys.exit(code)
 """

@@ -69,24 +69,11 @@ def test_row_groups_close_at_row_group_bytes(tmp_path):
 # In a fresh process (the setting is process-wide), with assay.allocator's setting made first or not: whether a
 # 1 MiB request is mmapped after an 8 MiB free.
 _THRESHOLD_PROBE = r"""
-import ctypes, sys
-from assay.allocator import bound_heap_growth
+import sys
+from assay.allocator import bound_heap_growth, large_requests_mmapped
 if sys.argv[1] == "fixed":
     assert bound_heap_growth()
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = Mallinfo2
-libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-def mmapped_after_large_free():
-    libc.free(libc.malloc(8 << 20))
-    before = libc.mallinfo2().hblkhd
-    small = libc.malloc(1 << 20)
-    grew = libc.mallinfo2().hblkhd - before
-    libc.free(small)
-    return grew >= 1 << 20
-print(mmapped_after_large_free(), mmapped_after_large_free())
+print(large_requests_mmapped(), large_requests_mmapped())
 """
 
 
