@@ -26,6 +26,7 @@ reuse them and never embed again.
 
 from __future__ import annotations
 
+from pickle import UnpicklingError  # the error type only: torch.load(weights_only=True) refusing a file
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -94,9 +95,11 @@ class Encoder:
             raise AssayError(f"encoder {params.model!r}: no such model directory")
         self.device = pick_device(params.device)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModel.from_pretrained(path).to(self.device).eval()
-        except (OSError, ValueError) as exc:  # ValueError: a directory without a tokenizer
+            # trust_remote_code=False explicitly: left unset, transformers asks on stdin whether to run a
+            # directory's own modeling code (auto_map), and a "y" there runs it.
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+            self.model = AutoModel.from_pretrained(path, trust_remote_code=False).to(self.device).eval()
+        except (OSError, ValueError, UnpicklingError) as exc:  # ValueError: no tokenizer, or custom code
             raise AssayError(f"encoder {params.model!r}: cannot load ({str(exc).splitlines()[0]})") from None
         self.bf16 = use_bf16(params.precision, self.device)
         if self.bf16:

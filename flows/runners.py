@@ -23,7 +23,9 @@ def task_runner(params: FlowParams):
             raise AssayError("flow.task_runner=dask needs `pip install prefect-dask`") from None
         if params.address:
             return DaskTaskRunner(address=params.address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": params.max_workers})
+        # LocalCluster's scheduler listens on 127.0.0.1, but its dashboard (":8787") on every interface,
+        # with no login: keep it local too. A shared cluster is one the user starts (flow.address).
+        return DaskTaskRunner(cluster_kwargs={"n_workers": params.max_workers, "dashboard_address": "127.0.0.1:8787"})
     if kind == "ray":
         try:
             from prefect_ray import RayTaskRunner

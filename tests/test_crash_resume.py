@@ -373,10 +373,34 @@ def test_secrets_in_the_environment_never_reach_the_outputs(pipeline):
     """The whole chain above (ingest, both models, static, domain, dedup with its graph upsert, round 0,
     score, dynamic, and every killed and resumed run) ran with WEAVIATE_API_KEY and AWS credentials set:
     no byte of any file it wrote (datasets, decisions, manifests, models, runs, telemetry, staging
-    leftovers, params.yaml) holds one, and no CLI call printed one (checked in `_cli`)."""
+    leftovers, params.yaml) holds one, nor any of Prefect's (its database, PREFECT_HOME), and no CLI
+    call printed one (checked in `_cli`)."""
     files = [p for p in pipeline["root"].rglob("*") if p.is_file()]
     assert len(files) > 50 and any(p.name == "manifest.json" for p in files)
     for path in files:
         data = path.read_bytes()
         leaked = [name for name, value in SECRETS.items() if value.encode() in data]
         assert not leaked, f"{path.relative_to(pipeline['root'])} holds {leaked}"
+    # Prefect's own record of every run above (flow and task parameters, logs, artifacts, states) lies
+    # outside the run's folder: the session server's SQLite file, its -wal, and PREFECT_HOME.
+    database = _prefect_database()
+    kept = [p for p in database.parent.glob(database.name + "*") if p.is_file()]
+    home = Path(os.environ["PREFECT_HOME"])
+    kept += [p for p in home.rglob("*") if p.is_file()]
+    assert database in kept and database.stat().st_size > 100_000, f"no Prefect database at {database}"
+    for path in kept:
+        data = path.read_bytes()
+        leaked = [name for name, value in SECRETS.items() if value.encode() in data]
+        assert not leaked, f"Prefect's {path} holds {leaked}"
+    print(json.dumps({"run_files": len(files), "prefect_files": sorted(p.name for p in kept),
+                      "prefect_db_bytes": sum(p.stat().st_size for p in kept if p.name.startswith(database.name))}))
+
+
+def _prefect_database() -> Path:
+    """The SQLite file of the session's Prefect server (prefect_test_harness puts it in a temporary folder)."""
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+    from sqlalchemy.engine import make_url
+
+    url = make_url(PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+    assert url.get_backend_name() == "sqlite" and url.database, f"not a SQLite Prefect database: {url!r}"
+    return Path(url.database)

@@ -35,24 +35,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from assay.errors import AssayError
 
-__all__ = ["discard_partial_saves", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["discard_partial_saves", "latest_checkpoint", "load_checkpoint", "safe_reader", "save_checkpoint"]
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_FILE = "trainer.json"
 
-# Modules whose classes DCP's metadata pickle may name. Anything else (os.system…) is refused.
+# Modules whose classes DCP's metadata pickle may name. Anything else (os.system…) is refused. Only classes
+# defined there, by a plain name: a dotted name reaches through a module's imports (a module's `os.system`).
 _SAFE_MODULES = (
     "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
     "torch.distributed.checkpoint.planner",
     "torch.distributed.checkpoint.storage",
 )
 _SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # that module also holds readers and writers
     ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
     ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided…
@@ -70,10 +72,15 @@ def _single_process_ok():
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _SAFE_GLOBALS:
+                return super().find_class(module, name)
+            if module in _SAFE_MODULES:
+                found = super().find_class(module, name)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not allowed")
 
 
@@ -84,12 +91,29 @@ class SafeReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as handle:
             metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
+        # DCP reads an entry declared as bytes with torch.load(weights_only=False), whatever the state
+        # dict holds under that name; Assay saves tensors only, so such an entry is refused.
+        pickled = [fqn for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)]
+        if pickled:
+            raise pickle.UnpicklingError(f"checkpoint metadata declares {pickled[0]} as pickled bytes, which is not "
+                                         "allowed (Assay's checkpoints hold tensors only)")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def safe_reader(checkpoint: str | Path) -> SafeReader:
+    """A SafeReader for ``checkpoint`` whose metadata has been checked: a refused one is an AssayError
+    here, in one line, where DCP would bury the reason in a per-rank exception dump."""
+    reader = SafeReader(str(checkpoint))
+    try:
+        reader.read_metadata()
+    except pickle.UnpicklingError as exc:
+        raise AssayError(f"refusing to load {checkpoint}: {exc}") from None
+    return reader
 
 
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]):
@@ -169,11 +193,7 @@ def load_checkpoint(checkpoint: str | Path, model: nn.Module, optimizer: torch.o
     """Restore model, optimizer and ``tensors`` (in place, same shapes) from ``checkpoint``;
     returns the trainer JSON."""
     trainer = read_trainer_state(checkpoint)
-    reader = SafeReader(str(checkpoint))
-    try:  # checked up front: DCP would bury the reason in a per-rank exception dump
-        reader.read_metadata()
-    except pickle.UnpicklingError as exc:
-        raise AssayError(f"refusing to load {checkpoint}: {exc}") from None
+    reader = safe_reader(checkpoint)
     # get_state_dict initialises empty optimizer state, so DCP has tensors to load into.
     state, own_groups = _tensor_state(model, optimizer, tensors)
     with _single_process_ok():

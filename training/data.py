@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from assay.errors import AssayError
 from training.tokenizer import EOS, PAD
 
-__all__ = ["Batch", "TokenRows", "batch_rows", "build_rows", "cached_rows", "is_holdout", "make_batch"]
+__all__ = ["ROWS_FORMAT", "Batch", "TokenRows", "batch_rows", "build_rows", "cached_rows", "is_holdout", "make_batch"]
 
 
 def is_holdout(doc_id: str, fraction: float) -> bool:
@@ -141,6 +142,11 @@ def _abandoned(name: str) -> bool:
     return False
 
 
+#: The cache's layout, part of its key (training/trainer.py). 2: the ids as UTF-8 bytes and offsets, not an object
+#: array, which loads only through pickle (a run folder may come from elsewhere); a cache of 1 is another key's.
+ROWS_FORMAT = 2
+
+
 def cached_rows(cache: Path, key: str, docs: Iterable[tuple[str, str]], tokenizer: Tokenizer, seq_len: int,
                 encode_batch: int = 256) -> TokenRows:
     """``build_rows``, written to ``cache`` as it is made and read back memory-mapped.
@@ -169,8 +175,11 @@ def cached_rows(cache: Path, key: str, docs: Iterable[tuple[str, str]], tokenize
                 doc.append(block_doc)
             handle.flush()
             os.fsync(handle.fileno())
+        encoded = [d.encode() for d in doc_ids]
         np.savez(tmp / "index.npz", lengths=np.concatenate(lengths or [np.zeros(0, np.int32)]),
-                 doc=np.concatenate(doc or [np.zeros(0, np.int64)]), doc_ids=np.asarray(doc_ids, dtype=object),
+                 doc=np.concatenate(doc or [np.zeros(0, np.int64)]),
+                 ids_utf8=np.frombuffer(b"".join(encoded), np.uint8),
+                 ids_end=np.cumsum([len(e) for e in encoded], dtype=np.int64),
                  width=seq_len + 1, pad=tokenizer.token_to_id(PAD))
         try:
             os.replace(tmp, done)
@@ -179,11 +188,17 @@ def cached_rows(cache: Path, key: str, docs: Iterable[tuple[str, str]], tokenize
         for stale in cache.iterdir():  # rows of another key, or a killed writer's temporary
             if (stale / "index.npz").is_file() and stale.name != key or _abandoned(stale.name):
                 shutil.rmtree(stale, ignore_errors=True)
-    index = np.load(done / "index.npz", allow_pickle=True)
+    try:  # an entry that is an object array (a pickle) is refused by np.load as it is read
+        with np.load(done / "index.npz", allow_pickle=False) as npz:
+            index = {name: npz[name] for name in npz.files}
+    except ValueError as exc:
+        raise AssayError(f"refusing to load {done / 'index.npz'}: {exc}") from None
     width, n = int(index["width"]), len(index["lengths"])
     tokens = (np.memmap(done / "tokens.int32", dtype=np.int32, mode="r", shape=(n, width)) if n
               else np.zeros((0, width), np.int32))
-    return TokenRows(tokens, index["lengths"], index["doc"], index["doc_ids"].tolist(), int(index["pad"]))
+    blob, ends = index["ids_utf8"].tobytes(), index["ids_end"].tolist()
+    doc_ids = [blob[start:end].decode() for start, end in zip([0, *ends[:-1]], ends)]
+    return TokenRows(tokens, index["lengths"], index["doc"], doc_ids, int(index["pad"]))
 
 
 def batch_rows(n_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from assay.errors import AssayError
-from training.checkpoint import SafeReader, _single_process_ok, latest_checkpoint, read_trainer_state
+from training.checkpoint import _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
 from training.model import ModelArgs, Transformer
 from training.tokenizer import EOS, PAD, load_tokenizer
 
@@ -86,7 +86,7 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None) ->
     model.init_weights(seed=0)  # fills the RoPE buffers; every parameter is then overwritten by the load
     state = {"model": model.state_dict()}
     with _single_process_ok():
-        dcp.load(state, storage_reader=SafeReader(str(checkpoint)))  # in place, into the model's tensors
+        dcp.load(state, storage_reader=safe_reader(checkpoint))  # in place, into the model's tensors
     model.eval()
     return model, trainer
 

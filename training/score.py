@@ -68,7 +68,7 @@ from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, list_s
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
-from training.checkpoint import CHECKPOINTS, SafeReader, _single_process_ok, latest_checkpoint, read_trainer_state
+from training.checkpoint import CHECKPOINTS, _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
 from training.data import TokenRows, build_rows, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import Transformer
@@ -294,7 +294,7 @@ def load_model(checkpoint: Path, state: dict, vocab_size: int, device: torch.dev
     model_sd = get_model_state_dict(model)
     with _single_process_ok(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"model": model_sd}, storage_reader=SafeReader(str(checkpoint)))
+        dcp.load({"model": model_sd}, storage_reader=safe_reader(checkpoint))
     set_model_state_dict(model, model_sd)
     model.train()  # as in training (MoE routing and every module behave as they did)
     return model
@@ -317,7 +317,7 @@ def adam_preconditioner(checkpoint: Path, model: Transformer) -> dict[str, torch
     try:
         with _single_process_ok(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=SafeReader(str(checkpoint)))
+            dcp.load(state, storage_reader=safe_reader(checkpoint))
     except Exception as exc:  # DCP wraps a missing key in a per-rank dump; say it in one line
         raise AssayError(f"score.precondition: adam needs the optimizer state in {checkpoint}; "
                          f"it could not be read ({type(exc).__name__})") from None

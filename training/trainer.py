@@ -43,7 +43,7 @@ from assay.errors import AssayError
 from assay.shards import atomic_write_bytes, atomic_write_json
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
-from training.data import TokenRows, batch_rows, cached_rows, is_holdout, make_batch
+from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
 from training.parallel.distributed import init_distributed
@@ -108,7 +108,7 @@ def _rows(version: DatasetVersion, tokenizer, params: TrainParams, out: Path) ->
     them and a run on other data or another tokenizer makes new ones.
     """
     made_from = json.dumps({"data": version.data_hash, "tokenizer": tokenizer.to_str(), "seq_len": params.seq_len,
-                            "holdout": params.holdout}, sort_keys=True)
+                            "holdout": params.holdout, "format": ROWS_FORMAT}, sort_keys=True)
     key = hashlib.blake2b(made_from.encode(), digest_size=8).hexdigest()
     train = cached_rows(out / ROWS_DIR / "train", key,
                         ((i, t) for i, t, held in _split_docs(version, params.holdout) if not held),

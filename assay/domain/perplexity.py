@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pickle import UnpicklingError  # the error type only: torch.load(weights_only=True) refusing a file
 import threading
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,13 @@ class PerplexityScorer:
             raise missing_model_error(params.model)
         self.device = pick_device(params.device)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(params.model)
-            self.model = AutoModelForCausalLM.from_pretrained(params.model).to(self.device).eval()
+            # trust_remote_code=False: never a model directory's own code (assay/encoder.py says why).
+            self.tokenizer = AutoTokenizer.from_pretrained(params.model, trust_remote_code=False)
+            self.model = AutoModelForCausalLM.from_pretrained(params.model, trust_remote_code=False).to(self.device).eval()
         except OSError:
             raise missing_model_error(params.model) from None
+        except (ValueError, UnpicklingError) as exc:  # custom code, or weights that are not tensors
+            raise AssayError(f"domain model {params.model!r}: cannot load ({str(exc).splitlines()[0]})") from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         limit = getattr(self.model.config, "n_positions", None) or getattr(self.model.config, "max_position_embeddings", params.window)

@@ -124,7 +124,10 @@ def load_head(directory: str | Path) -> tuple[LinearHead, HeadConfig]:
             "(or `dvc repro quality-head`)"
         )
     config = HeadConfig(**json.loads((directory / CONFIG).read_text()))
-    tensors = load_file(directory / WEIGHTS)
+    try:
+        tensors = load_file(directory / WEIGHTS)
+    except Exception as exc:  # safetensors' own error type is not importable by a stable name
+        raise AssayError(f"{directory / WEIGHTS}: not a safetensors file ({str(exc).splitlines()[0]})") from None
     head = LinearHead(config.dim)
     head.linear.weight.data.copy_(tensors["weight"])
     head.linear.bias.data.copy_(tensors["bias"])

@@ -11,6 +11,7 @@ Two kinds of model, chosen in params.yaml:
 
 from __future__ import annotations
 
+from pickle import UnpicklingError  # the error type only: torch.load(weights_only=True) refusing a file
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -95,9 +96,11 @@ class SequenceClassifierScorer:
         self.batch_size = encoder.batch_size
         self.device = pick_device(encoder.device)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model)
-            self.model = AutoModelForSequenceClassification.from_pretrained(model).to(self.device).eval()
-        except (OSError, ValueError) as exc:  # ValueError: a directory without a tokenizer
+            # trust_remote_code=False: never a model directory's own code (assay/encoder.py says why).
+            self.tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
+            self.model = (AutoModelForSequenceClassification.from_pretrained(model, trust_remote_code=False)
+                          .to(self.device).eval())
+        except (OSError, ValueError, UnpicklingError) as exc:  # ValueError: no tokenizer, or custom code
             raise AssayError(f"static.model {model!r}: cannot load ({str(exc).splitlines()[0]})") from None
         self.max_length = min(encoder.max_length, getattr(self.model.config, "max_position_embeddings", 512))
         self.bf16 = use_bf16(encoder.precision, self.device)
