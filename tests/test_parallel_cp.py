@@ -73,8 +73,9 @@ def test_cp_is_a_mesh_dimension_and_checks_the_world_size():
     with pytest.raises(AssayError, match="world size is 2"):
         ParallelDims(dp_shard=1, cp=4, world_size=2)
     assert ParallelDims(dp_shard=-1, cp=2, world_size=4).dp_shard == 2  # CP×FSDP
-    with pytest.raises(AssayError, match="combines with data parallel only"):
+    with pytest.raises(AssayError, match="combines with data parallel and pp only today, not with tp"):
         ParallelDims(dp_shard=1, tp=2, cp=2, world_size=4)
+    assert ParallelDims(dp_shard=-1, cp=2, pp=2, world_size=8).dp_shard == 2  # CP × PP (tests/test_parallel_pp.py)
 
 
 # ---------------------------------------------------------------- op level (gloo ranks)

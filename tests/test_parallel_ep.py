@@ -57,8 +57,9 @@ def test_ep_layouts_are_checked():
         ParallelDims(dp_replicate=2, dp_shard=1, ep=2, world_size=2)
     with pytest.raises(AssayError, match="must divide"):
         ParallelDims(dp_shard=4, ep=3, world_size=4)
-    with pytest.raises(AssayError, match="not with tp, pp or cp"):
+    with pytest.raises(AssayError, match="not with tp or cp"):
         ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4)
+    assert ParallelDims(dp_shard=2, pp=2, ep=2, world_size=4).ep == 2  # EP × PP (tests/test_parallel_pp.py)
 
 
 def _free_port() -> int:

@@ -14,7 +14,11 @@ DP × PP (4 ranks: pp=2 × dp=2): FSDP × PP and DDP × PP, every schedule, agai
 gradients for GPipe/1F1B; losses, parameters, per-document losses, the held-out loss; through
 `assay train` once), and a resume resharded from FSDP × PP to DDP × PP. With filler rows: sparse
 attention and MoE (its routing counts corrected) under FSDP × PP; the dynamic scheduler under FSDP × PP,
-the dp ranks planning together (step 1 re-planned into two passes).
+the dp ranks planning together (step 1 re-planned into two passes). EP × PP: MoE experts sharded over
+each stage's FSDP ranks (FSDP 2 × PP 2 × EP 2 through `assay train`, FSDP 4 × PP 2 × EP 2 on 8 ranks:
+two copies of each expert per stage), with the DP × PP checks plus each step's gradient norm, balance
+and the final bias. CP × PP: ring attention (cp 2 × pp 2 through `assay train`, and FSDP 2 × CP 2 × PP 2
+on 8 ranks) and sparse attention (cp 2 × pp 2), with the DP × PP checks plus each step's gradient norm.
 
 TP × PP: pp 2 × tp 2 (4 ranks, through `assay train --tp 2 --pp 2`), FSDP × TP × PP (dp_shard 2 × tp 2 ×
 pp 2, 8 ranks) and HSDP × TP × PP (2 replicas × 2 shards × tp 2 × pp 2, 16 ranks) with the DP × PP checks
@@ -217,19 +221,15 @@ def test_pipeline_layouts_that_cannot_run_are_refused():
     check_pipeline_layout(ParallelDims(dp_shard=2, tp=2, pp=2, world_size=8), params)  # FSDP × TP × PP
     with pytest.raises(AssayError, match="pp_dynamic does not run with tp > 1"):
         check_pipeline_layout(ParallelDims(tp=2, pp=2, world_size=4), bad(pp_dynamic=True))
-    # cp and ep stay refused, by the pipeline's check and, before it, by ParallelDims.
-    for n in ("cp", "ep"):
-        dims = object.__new__(ParallelDims)  # past ParallelDims' own refusal, to reach the pipeline's
-        for field, value in {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2, "cp": 1, "ep": 1,
-                             "world_size": 4, n: 2}.items():
-            object.__setattr__(dims, field, value)
-        with pytest.raises(AssayError, match=f"pp combines with data parallel and tp only, not yet with cp or ep "
-                                             f"\\(got {{'{n}': 2}}\\)"):
-            check_pipeline_layout(dims, params)
-    with pytest.raises(AssayError, match="context parallel combines with data parallel only"):
-        ParallelDims(pp=2, cp=2, world_size=4)
-    with pytest.raises(AssayError, match="expert parallel combines with data parallel only"):
-        ParallelDims(dp_shard=2, pp=2, ep=2, world_size=4)
+    check_pipeline_layout(ParallelDims(cp=2, pp=2, world_size=4), params)  # CP × PP runs (below)
+    check_pipeline_layout(ParallelDims(dp_shard=2, cp=2, pp=2, world_size=8), params)
+    with pytest.raises(AssayError, match="pp_dynamic does not run with cp > 1"):
+        check_pipeline_layout(ParallelDims(cp=2, pp=2, world_size=4), bad(pp_dynamic=True))
+    with pytest.raises(AssayError, match="context parallel combines with data parallel and pp only today, not with tp"):
+        ParallelDims(tp=2, pp=2, cp=2, world_size=8)
+    check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, ep=2, world_size=4), params)  # EP × PP runs (below)
+    with pytest.raises(AssayError, match="expert parallel combines with data parallel and pp only today, not with tp or cp"):
+        ParallelDims(dp_shard=2, tp=2, pp=2, ep=2, world_size=8)
     check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), params)  # DP × PP runs (below)
     check_pipeline_layout(ParallelDims(dp_replicate=2, pp=2, world_size=4), params)
     check_pipeline_layout(ParallelDims(dp_shard=2, pp=2, world_size=4), bad(pp_dynamic=True))  # (below)
@@ -457,16 +457,22 @@ FULL_WIDTH_MODELS = {"sparse": SPARSE, "moe": {"ffn": "moe", "n_experts": 4, "mo
                                                "moe_bias_gamma": 0.01}}
 
 
+def _full_width_single(workspace, name: str) -> tuple:  # noqa: F811
+    """workspace's documents with FULL_WIDTH_MODELS[name], trained in one process (once per module)."""
+    root, data, _, _ = workspace
+    params_file = root / f"{name}-params.yaml"
+    single = root / f"{name}-single"
+    if not (single / "metrics.json").exists():
+        model = {**TINY["model"], **FULL_WIDTH_MODELS[name]}
+        params_file.write_text(yaml.safe_dump({"train": {**TINY, "model": model}}))
+        train(open_version(data), single, load_params(params_file).train, progress=False)
+    return root, data, params_file, single
+
+
 @pytest.fixture(scope="module", params=sorted(FULL_WIDTH_MODELS))
 def full_width_workspace(request, workspace):  # noqa: F811
     """workspace's documents with sparse attention (blocks of 8 in rows of 32) or MoE, one process."""
-    root, data, _, _ = workspace
-    params_file = root / f"{request.param}-params.yaml"
-    model = {**TINY["model"], **FULL_WIDTH_MODELS[request.param]}
-    params_file.write_text(yaml.safe_dump({"train": {**TINY, "model": model}}))
-    single = root / f"{request.param}-single"
-    train(open_version(data), single, load_params(params_file).train, progress=False)
-    return root, data, params_file, single
+    return _full_width_single(workspace, request.param)
 
 
 @pytest.mark.parallel
@@ -491,6 +497,70 @@ def test_sparse_attention_and_moe_under_dp_times_pp_match_one_process(full_width
         assert [r["moe_max_over_mean"] for r in _records(tmp_path / "run")] == pytest.approx(want, rel=1e-6)
         single_metrics = json.loads((single / "metrics.json").read_text())
         assert metrics["moe_bias_abs_max"] == pytest.approx(single_metrics["moe_bias_abs_max"], rel=1e-6)
+
+
+EP_PP = [  # (ranks, layout, `assay train` flags (None: the worker module under torchrun))
+    pytest.param(4, {"dp_shard": 2, "pp": 2, "ep": 2, "pp_schedule": "1F1B"},
+                 ["--dp-shard", "2", "--pp", "2", "--ep", "2", "--pp-schedule", "1F1B"], id="fsdp2xpp2-ep2-cli"),
+    # Two copies of each expert per stage (ep_replicate 2): their gradients are summed over the copies.
+    pytest.param(8, {"dp_shard": 4, "pp": 2, "ep": 2, "pp_schedule": "1F1B"}, None, id="fsdp4xpp2-ep2"),
+]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("nproc,layout,flags", EP_PP)
+def test_expert_parallel_under_dp_times_pp_matches_one_process(workspace, nproc, layout, flags, tmp_path):  # noqa: F811
+    """`assay train --nproc 4 --dp-shard 2 --pp 2 --ep 2` on the MoE model: each stage's two dp
+    ranks hold half of its layers' experts and exchange routed tokens (all-to-all within the
+    stage), while the pipeline sends activations between stages (on 8 ranks, dp_shard 4, two
+    copies of each expert per stage). Step 1's plans pad with filler
+    rows (asserted), whose tokens are routed to other ranks' experts and taken back out of the
+    counts; experts are left out of FSDP, their squared gradient norms added over the stage's ep
+    ranks and then over the stages. Against one process: step 1's gradients (each expert's from
+    its owner rank), 5 steps' losses, the parameters (every expert and the balancing bias), per-
+    document losses, the held-out loss, the parameter count (each expert once), the per-step
+    balance and the final bias."""
+    moe = _full_width_single(workspace, "moe")
+    metrics = _layout_matches_one_process(moe, nproc, layout, flags, tmp_path, fillers=True)
+    assert metrics["parallel"]["mode"] == "fsdp+pp" and metrics["parallel"]["ep"] == 2
+    from test_parallel import _records
+
+    single = moe[3]
+    want = [r["moe_max_over_mean"] for r in _records(single)]
+    assert [r["moe_max_over_mean"] for r in _records(tmp_path / "run")] == pytest.approx(want, rel=1e-6)
+    # Each step's clipped gradient norm: experts counted once each, on their owner rank.
+    assert [r["grad_norm"] for r in _records(tmp_path / "run")] == pytest.approx(
+        [r["grad_norm"] for r in _records(single)], rel=1e-5)
+    single_metrics = json.loads((single / "metrics.json").read_text())
+    assert metrics["moe_bias_abs_max"] == pytest.approx(single_metrics["moe_bias_abs_max"], rel=1e-6)
+
+
+CP_PP = [  # (ranks, model (None: dense), layout, `assay train` flags (None: the worker module), mode)
+    pytest.param(4, None, {"cp": 2, "pp": 2, "pp_schedule": "1F1B"}, ["--cp", "2", "--pp", "2", "--pp-schedule", "1F1B"],
+                 "cp+pp", id="cp2xpp2-ring-cli"),
+    pytest.param(4, "sparse", {"cp": 2, "pp": 2, "pp_schedule": "GPipe"}, None, "cp+pp", id="cp2xpp2-sparse"),
+    pytest.param(8, None, {"dp_shard": 2, "cp": 2, "pp": 2, "pp_schedule": "1F1B"}, None, "fsdp+cp+pp",
+                 id="fsdp2xcp2xpp2-ring"),
+]
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("nproc,model,layout,flags,mode", CP_PP)
+def test_context_parallel_under_pp_matches_one_process(workspace, nproc, model, layout, flags, mode,  # noqa: F811
+                                                       tmp_path):
+    """Context parallel inside pipeline stages: each cp rank of a stage holds its share of every
+    row's positions (zig-zag for ring attention, contiguous for sparse attention), which is what the
+    stages send and receive; attention exchanges keys within the stage's cp group, and the cp ranks'
+    gradients are averaged with the dp ranks' (DDP over cp, or FSDP over dp_shard × cp). Against one
+    process: step 1's gradients, 5 steps' losses and clip norms, parameters, per-document losses (the
+    last stage's first cp rank writes them, summed over cp), the held-out loss (whole rows, eval mode)."""
+    ws = workspace if model is None else _full_width_single(workspace, model)
+    metrics = _layout_matches_one_process(ws, nproc, layout, flags, tmp_path)
+    assert metrics["parallel"]["mode"] == mode and metrics["parallel"]["cp"] == 2
+    from test_parallel import _records
+
+    assert [r["grad_norm"] for r in _records(tmp_path / "run")] == pytest.approx(
+        [r["grad_norm"] for r in _records(ws[3])], rel=1e-5)
 
 
 @pytest.fixture(scope="module")

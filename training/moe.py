@@ -74,6 +74,9 @@ class MoE(nn.Module):
         # (flat token ids sorted by expert, tokens per expert) from the most recent forward:
         # expert e got flat[ids[sum(counts[:e]) : sum(counts[:e + 1])]]. For training.grad_norms.
         self.last_dispatch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The same for this rank's own tokens wherever their experts ran (under expert parallel
+        # other ranks' experts, and last_dispatch is None): which tokens went to which expert.
+        self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ init
     def init_weights(self, init_std: float, generator: torch.Generator | None = None) -> None:
@@ -111,7 +114,7 @@ class MoE(nn.Module):
         order = torch.argsort(topk_idx.reshape(-1), stable=True)
         token_ids = torch.div(order, self.topk, rounding_mode="floor")
         sorted_gates = gates.reshape(-1).index_select(0, order)
-        self.last_dispatch = (token_ids, counts)
+        self.last_dispatch = self.last_routing = (token_ids, counts)
 
         out = torch.zeros_like(flat)
         start = 0

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_parallel_pp.py: step 1's gradients under DP × PP or TP × PP.
+"""Run under torchrun by tests/test_parallel_pp.py: step 1's gradients under DP, TP, EP or CP × PP.
 
 Builds the tiny model exactly as the trainer does, applies the layout (pipeline stages, each
 tensor-parallel over its tp sub-mesh and wrapped over its dp sub-mesh), runs step 1 through the
@@ -20,7 +20,7 @@ from training.parallel.distributed import shutdown
 
 def main(data: str, run: str, params_file: str, overrides: str, out: str, prime: str = "") -> None:
     _, world, par, model, local = step_one(data, run, params_file, overrides, out)
-    assert par.pipelined and (par.dims.dp > 1 or par.dims.tp > 1), par.describe()
+    assert par.pipelined and (par.dims.dp > 1 or par.dims.tp > 1 or par.dims.cp > 1), par.describe()
     if prime == "prime":
         # Synthetic measurements (time and bytes proportional to positions) before step 1, so that
         # the dynamic scheduler re-plans step 1 whatever this machine's timings (as pp_worker.py).
@@ -34,6 +34,9 @@ def main(data: str, run: str, params_file: str, overrides: str, out: str, prime:
     fillers = sum(r < 0 for p in plan.passes for mb in p.microbatches for r in mb)
     loss, *_ = par.pipeline.step(local.batch, local.global_tokens)
     loss = par.global_loss(loss, local.batch.n_tokens, local.global_tokens)
+    # As the trainer's step does next (max_norm inf: nothing scaled); under ep it first sums each
+    # expert's gradient over the ranks holding a copy of it.
+    par.clip_grad_norm(model, float("inf"))
     grads = full_grads(model)  # over this stage's dp ranks
     parts = [None] * world.world_size
     dist.all_gather_object(parts, (grads, fillers, [p.shape for p in plan.passes]))

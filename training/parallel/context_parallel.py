@@ -40,6 +40,8 @@ by ``dp × cp × local target tokens / global target tokens``; the batch loss an
 per-document losses are sums over the ranks (:meth:`ContextParallel.document_stats`), written
 by cp rank 0. Ghost gradient norms are switched off under cp, with a warning: a document's
 gradient is a sum over ranks of per-token terms, and its norm is not a sum of per-rank norms.
+Under pp, :func:`context_parallel` installs the kernels on the stages' layers and
+``training.parallel.pipeline`` wraps each stage over dp × cp.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ from training.parallel.ring_attention import ring_attention, zigzag_positions
 # the softmax and its gradient (the single-process kernel's choice, training.attention).
 _CHUNK_SCORES = 1 << 19
 
-__all__ = ["ContextParallel", "apply_context_parallel", "contiguous_positions", "sharded_sparse_attention"]
+__all__ = ["ContextParallel", "apply_context_parallel", "context_parallel", "contiguous_positions",
+           "sharded_sparse_attention"]
 
 
 def contiguous_positions(n: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -311,16 +314,10 @@ class ContextParallel:
         return kernel
 
 
-def apply_context_parallel(model: nn.Module, mesh, dims, precision: str, seq_len: int) -> ContextParallel:
-    """Install the cp kernels on ``model``, then data parallelism over dp × cp.
-
-    The cp ranks of one dp rank hold the same parameters and see different positions of the
-    same rows, so their gradients are reduced together with the dp ranks' (torchtitan's
-    ``dp_shard_cp``): FSDP2 over the flattened ``dp_shard × cp`` mesh (2-D with dp_replicate:
-    HSDP), DDP over ``dp_replicate × cp``, or DDP over cp alone.
-    """
-    from training.parallel.data_parallel import apply_ddp, apply_fsdp
-
+def context_parallel(model: nn.Module, mesh, dims, seq_len: int) -> ContextParallel:
+    """Install the cp kernels on ``model`` (its layers' attention and its RoPE positions); returns
+    what the trainer asks of cp. Under pp ``model`` is this rank's pruned part, and
+    ``training.parallel.pipeline`` then wraps its stages over dp × cp."""
     cp_mesh = mesh["cp"]
     cp = cp_mesh.size()
     sparse = model.args.attention == "sparse"
@@ -338,6 +335,20 @@ def apply_context_parallel(model: nn.Module, mesh, dims, precision: str, seq_len
     context = ContextParallel(group, cp, cp_mesh.get_local_rank(), "contiguous" if sparse else "zigzag",
                               dims.dp, dp_rank)
     context.install(model)
+    return context
+
+
+def apply_context_parallel(model: nn.Module, mesh, dims, precision: str, seq_len: int) -> ContextParallel:
+    """Install the cp kernels on ``model`` (:func:`context_parallel`), then data parallelism over dp × cp.
+
+    The cp ranks of one dp rank hold the same parameters and see different positions of the
+    same rows, so their gradients are reduced together with the dp ranks' (torchtitan's
+    ``dp_shard_cp``): FSDP2 over the flattened ``dp_shard × cp`` mesh (2-D with dp_replicate:
+    HSDP), DDP over ``dp_replicate × cp``, or DDP over cp alone.
+    """
+    from training.parallel.data_parallel import apply_ddp, apply_fsdp
+
+    context = context_parallel(model, mesh, dims, seq_len)
     if dims.fsdp:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         apply_fsdp(model, mesh["dp_replicate", "dp_shard_cp"] if dims.ddp else mesh["dp_shard_cp"], precision)
@@ -345,5 +356,5 @@ def apply_context_parallel(model: nn.Module, mesh, dims, precision: str, seq_len
         mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")
         apply_ddp(model, mesh["dp_replicate_cp"])
     else:
-        apply_ddp(model, cp_mesh)
+        apply_ddp(model, mesh["cp"])
     return context

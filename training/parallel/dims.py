@@ -61,12 +61,12 @@ class ParallelDims:
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise AssayError(f"parallel: ep={self.ep} must divide dp_shard×cp = {self.dp_shard * self.cp} "
                              "(experts are sharded over the data-parallel ranks)")
-        if self.ep > 1 and (self.tp > 1 or self.pp > 1 or self.cp > 1):
-            raise AssayError(f"parallel: expert parallel combines with data parallel only today, not with "
-                             f"tp, pp or cp (got tp={self.tp}, pp={self.pp}, cp={self.cp})")
-        if self.cp > 1 and self.tp * self.pp > 1:
-            raise AssayError(f"parallel: context parallel combines with data parallel only today, not with tp or pp "
-                             f"(got cp={self.cp}, tp={self.tp}, pp={self.pp})")
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1):
+            raise AssayError(f"parallel: expert parallel combines with data parallel and pp only today, not with "
+                             f"tp or cp (got tp={self.tp}, cp={self.cp})")
+        if self.cp > 1 and self.tp > 1:
+            raise AssayError(f"parallel: context parallel combines with data parallel and pp only today, not with tp "
+                             f"(got cp={self.cp}, tp={self.tp})")
         missing = [n for n in ("tp", "pp", "cp", "ep") if getattr(self, n) > 1 and n not in IMPLEMENTED]
         if missing:
             raise AssayError(f"parallel: {', '.join(missing)} > 1 is not implemented yet; "
@@ -99,15 +99,20 @@ class ParallelDims:
         return mesh
 
     def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """A new 2-D mesh over the data-parallel ranks: ``ep`` (a group of ranks that together hold
-        every expert once) inside ``ep_replicate`` (the ranks holding the same experts, dp / ep).
+        """A new 2-D mesh over this rank's data-parallel ranks: ``ep`` (a group of ranks that together
+        hold every expert once) inside ``ep_replicate`` (the ranks holding the same experts, dp / ep).
 
         ep is not a dimension of the world mesh: experts live on data-parallel ranks (torchtitan
-        style), so this splits the dp ranks. Creating it is collective: call it once."""
-        if self.ep == 1 or self.tp > 1 or self.pp > 1 or self.cp > 1:
+        style), so this splits the dp ranks; under pp, those of each pipeline stage (pp is the
+        world mesh's outermost dimension). Creating it is collective: call it once."""
+        if self.ep == 1 or self.tp > 1 or self.cp > 1:
             raise AssayError("parallel: the expert mesh needs ep > 1 on data-parallel ranks only")
-        # With only dp_replicate × dp_shard in the world mesh, dp ranks are the world's, row-major.
-        return init_device_mesh(mesh.device_type, (self.dp // self.ep, self.ep), mesh_dim_names=("ep_replicate", "ep"))
+        if self.pp == 1:  # the dp ranks are the world's, row-major
+            return init_device_mesh(mesh.device_type, (self.dp // self.ep, self.ep),
+                                    mesh_dim_names=("ep_replicate", "ep"))
+        ranks = mesh.mesh.reshape(self.pp, self.dp // self.ep, self.ep)
+        stages = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "ep_replicate", "ep"))
+        return stages["ep_replicate", "ep"]
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         if self.ddp and self.fsdp:

@@ -36,8 +36,9 @@ Balancing stays exact: ``tokens_per_expert`` counts this rank's routing for all 
 (global indices); ``Parallel.sum_moe_loads`` all-reduces it over the world before
 ``update_bias``, which is then the same on every rank.
 
-Layouts: ep divides dp_shard (``ParallelDims``), with FSDP or HSDP; tp, pp and cp together
-with ep are refused.
+Layouts: ep divides dp_shard (``ParallelDims``), with FSDP or HSDP, and under pp the dp ranks
+of each pipeline stage hold its layers' experts (``training.parallel.pipeline``); tp and cp
+together with ep are refused.
 
 Per-document ghost gradient norms stay exact: an expert's gradient for a document is built
 from that document's tokens routed to it, which are all on the expert's rank, so that rank
@@ -118,6 +119,7 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(topk_idx.reshape(-1), stable=True)
     token_ids = torch.div(order, moe.topk, rounding_mode="floor")
     sorted_gates = gates.reshape(-1).index_select(0, order)
+    moe.last_routing = (token_ids, counts)
 
     # recv_counts[s * n_local + j]: rows rank s sends to my local expert j.
     recv_counts = torch.empty_like(counts)

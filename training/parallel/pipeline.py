@@ -24,8 +24,24 @@ DP × PP (torchtitan's): the mesh orders pp outermost, so each pp group is one d
 every block and then each stage's module is wrapped over the dp sub-mesh (FSDP2 over dp_shard,
 FSDP-style ``replicate`` over dp_replicate, HSDP over both), each dp rank pipelines its own documents' rows, and
 each micro-batch's loss is dp × its token-loss sum over the whole step's token count (the
-wrappers average over dp). All six schedules; static micro-batches and dense models only
-(``check_pipeline_layout`` says why).
+wrappers average over dp). All six schedules, static or dynamic micro-batches (the dp ranks of a
+stage plan together), dense, sparse-attention and MoE models.
+
+EP × PP: the dp ranks of each stage hold its MoE layers' experts, ep of them every expert once
+(``ParallelDims.ep_mesh`` splits each stage's dp ranks); a micro-batch's MoE forward exchanges
+routed tokens with the stage's ep ranks (all-to-all), which run the same schedule and so meet
+at the same micro-batch. Experts are left out of FSDP; ``clip_grad_norm`` sums each expert's
+gradient over its copies and adds the experts' squares over the ep ranks, then over the stages.
+
+CP × PP: each cp rank of a stage holds ``width / cp`` positions of every row (zig-zag for ring
+attention, contiguous for sparse attention, ``context_parallel``), so a training pass is that
+wide and that is what stages send and receive; attention exchanges keys within the stage's cp
+group. The cp ranks hold the same parameters, so they join the dp ranks in the wrappers (DDP
+over cp, FSDP over dp_shard × cp) and a micro-batch's loss is dp·cp times its share. The loss,
+MoE counts and per-document losses add over the stage's dp × cp ranks (``batch_group``; the
+documents' over cp). Evaluation runs in eval mode, where cp's kernels take whole rows. Static
+micro-batches only: a cp rank's positions are spread over the row, which the dynamic plans'
+trimming to a row's start cannot describe.
 
 TP × PP (torchtitan's): after the split, the tensor + sequence parallel plan is applied to the
 pruned model over the tp sub-mesh (the mesh is ``pp, dp…, tp``: each pp group has one tp
@@ -276,7 +292,7 @@ def _uncount_fillers(module: nn.Module, filler: torch.Tensor) -> None:
     ``module``, whose last forward was this micro-batch's: one process never sees those rows,
     and the balancing bias moves by the counts. ``filler``: (rows,) bool."""
     for moe in (m for m in module.modules() if isinstance(m, MoE)):
-        token_ids, counts = moe.last_dispatch
+        token_ids, counts = moe.last_routing  # this rank's tokens, wherever their experts ran (ep)
         width = int(counts.sum()) // moe.topk // len(filler)
         is_filler = filler.to(token_ids.device).repeat_interleave(width)
         expert = torch.repeat_interleave(torch.arange(moe.n_experts, device=counts.device), counts)
@@ -284,6 +300,14 @@ def _uncount_fillers(module: nn.Module, filler: torch.Tensor) -> None:
         with torch.no_grad():
             moe.tokens_per_expert.sub_(drop.to(moe.tokens_per_expert.dtype))
         moe.last_tokens_per_expert = counts - drop
+
+
+def _flat(mesh, names: list[str]):
+    """The sub-mesh of ``names`` as one dimension. Flattening is idempotent in torch: the same name
+    over the same ranks returns the mesh made before ("dp" is made with the world mesh)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[tuple(names)]._flatten("dp" if names == ["dp_replicate", "dp_shard"] else "_".join(names))
 
 
 @dataclass
@@ -352,6 +376,11 @@ class Pipeline:
         # DP × PP (apply_data_parallel): dp ranks whose gradients the wrappers average, and the
         # group over which a stage's parameters are sharded (their squared norms add over it).
         self.dp, self.shard_group, self.dp_group = 1, None, None
+        # ... and with cp too: the ranks of a stage that hold different tokens of the step (dp × cp),
+        # whose loss sums add up and over which the wrappers average gradients (``replicas`` of them).
+        self.batch_group, self.replicas = None, 1
+        # CP × PP (apply_context_parallel): a training pass holds width / cp positions of each row.
+        self.cp, self.width = 1, seq_len
         # TP × PP (apply_tensor_parallel): the residual stream between stages is split along the
         # sequence over tp ranks (sequence parallel), so a stage boundary carries width / tp positions.
         self.tp = 1
@@ -377,34 +406,57 @@ class Pipeline:
     def _whole_row_positions(self, n: int) -> torch.Tensor:
         return torch.arange(n * self.tp, device=self.device)
 
+    def apply_context_parallel(self, context) -> None:
+        """CP × PP: each rank of a stage holds ``width / cp`` positions of every row (``context``'s
+        layout: zig-zag for ring attention, contiguous for sparse), so that is what a stage sends
+        and receives. The cp kernels are installed on the shared layers already
+        (``context_parallel.context_parallel``); the stages take the model's RoPE positions, which
+        are the shard's global positions in training and whole rows in evaluation."""
+        self.cp, self.width = context.cp, self.seq_len // context.cp
+        for module in self.modules.values():
+            module.rope_positions = self.model.rope_positions
+
     def apply_data_parallel(self, mesh, dims, precision: str) -> None:
         """torchtitan's DP × PP: every block and then each stage's module wrapped over the dp
         sub-mesh of this rank's pp group (FSDP2 over dp_shard, HSDP with dp_replicate too,
-        FSDP-style ``replicate`` over dp_replicate alone). Each stage module is its own root:
-        torch's PipelineStage then skips the gradient reduction on all but the step's last
-        backward and reduces once, after the schedule's last micro-batch."""
+        FSDP-style ``replicate`` over dp_replicate alone); with cp, the cp ranks join them (they
+        hold the same parameters and other positions of the same rows: torchtitan's
+        ``dp_shard_cp``). Each stage module is its own root: torch's PipelineStage then skips the
+        gradient reduction on all but the step's last backward and reduces once, after the
+        schedule's last micro-batch."""
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 
         from training.parallel.data_parallel import mixed_precision_policy
+        from training.parallel.expert_parallel import expert_parameters
 
         policy = mixed_precision_policy(precision)
+        # Expert-parallel experts differ from rank to rank: FSDP must neither shard nor average them
+        # (ep needs dp_shard > 1, so they only ever meet fully_shard).
+        ignored = set(expert_parameters(self.model)) or None
         if dims.fsdp:
-            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.ddp else mesh["dp_shard"]
-            self.shard_group = mesh["dp_shard"].get_group()
+            shard = _flat(mesh, ["dp_shard"] + ["cp"] * (dims.cp > 1))
+            dp_mesh = mesh["dp_replicate", shard.mesh_dim_names[0]] if dims.ddp else shard
+            self.shard_group = shard.get_group()
             # Parameters stay gathered from a micro-batch's forward to the step's last backward
             # (torchtitan's choice under pp: one all-gather per step, not per micro-batch). The
             # zero-bubble schedules need it: their weight pass takes the stage's parameters, and a
             # resharded stage hands it the shards, not the gathered tensors the graph used (losses
             # then differed from one process by 0.06-0.5%).
-            wrap = lambda m: fully_shard(m, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)  # noqa: E731
+            wrap = lambda m: fully_shard(m, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False,  # noqa: E731
+                                         ignored_params=ignored)
         else:
-            wrap = lambda m: replicate(m, mesh=mesh["dp_replicate"], mp_policy=policy)  # noqa: E731
+            copies = _flat(mesh, [n for n in ("dp_replicate", "cp") if getattr(dims, n) > 1])
+            wrap = lambda m: replicate(m, mesh=copies, mp_policy=policy)  # noqa: E731
         for block in self.model.layers.values():
             wrap(block)
         for s in sorted(self.modules):
             wrap(self.modules[s])
-        self.dp, self.dp_group = dims.dp, dims.dp_mesh(mesh).get_group()
+        if dims.dp > 1:
+            self.dp, self.dp_group = dims.dp, dims.dp_mesh(mesh).get_group()
+        self.replicas = dims.dp * dims.cp
+        self.batch_group = _flat(mesh, [n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1]
+                                 ).get_group()
         # The shards this rank keeps; gathered parameters are new each step and count as saved bytes.
         self.own = _held(self.model)
 
@@ -428,6 +480,9 @@ class Pipeline:
         if key not in self._dtypes:
             moes = self.model.moe_layers()
             saved = [(m.tokens_per_expert.clone(), m.last_tokens_per_expert) for m in moes]
+            training = self.model.training
+            # Eval mode: cp's kernels then run the probe's token alone on each rank (whole rows).
+            self.model.eval()
             with torch.no_grad():
                 first = self.modules.get(0)
                 hidden = torch.float32
@@ -444,6 +499,7 @@ class Pipeline:
                 box = torch.tensor([_DTYPES.index(logits)], dtype=torch.long)
                 dist.broadcast(box, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
                 logits = _DTYPES[int(box)]
+            self.model.train(training)
             for m, (tokens, last_tokens) in zip(moes, saved):
                 m.tokens_per_expert.copy_(tokens)
                 m.last_tokens_per_expert = last_tokens
@@ -497,7 +553,7 @@ class Pipeline:
     def plan_for(self, batch: Batch) -> Plan:
         lengths = batch.loss_mask.sum(1).tolist()
         try:
-            static = static_plan(len(lengths), self.n_microbatches, self.seq_len)
+            static = static_plan(len(lengths), self.n_microbatches, self.width)
         except ValueError as exc:
             raise AssayError(f"parallel: {exc}") from exc
         if not self.dynamic:
@@ -509,7 +565,7 @@ class Pipeline:
         # (world-gathered) observations, so they all choose alike.
         everyone: list = [None] * self.dp
         dist.all_gather_object(everyone, lengths, group=self.dp_group)
-        baselines = [static_plan(len(rows), self.n_microbatches, self.seq_len) for rows in everyone]
+        baselines = [static_plan(len(rows), self.n_microbatches, self.width) for rows in everyone]
         plans = self.scheduler.plan_together(everyone, baselines)
         return static if plans is None else plans[dist.get_rank(self.dp_group)]
 
@@ -520,15 +576,16 @@ class Pipeline:
         every rank of the pp group; per-document losses, None, per-document tokens); the last two
         are this step's on the last stage's rank only (zeros elsewhere). The backward runs on the
         loss times ``loss_scale`` (fp16's dynamic loss scale; the returned loss is unscaled)."""
-        if batch.tokens.shape[1] != self.seq_len:
-            raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != seq_len {self.seq_len}")
+        if batch.tokens.shape[1] != self.width:  # cp: this rank's positions of each row
+            raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != {self.width} (seq_len {self.seq_len}, "
+                             f"cp {self.cp})")
         n_docs = len(batch.doc_ids)
         global_tokens = max(int(batch.loss_mask.sum()) if global_tokens is None else global_tokens, 1)
-        # The dp wrappers average gradients over the dp ranks: each micro-batch's loss is dp times
-        # its share (exact when dp is a power of two).
+        # The dp wrappers average gradients over the dp (× cp) ranks: each micro-batch's loss is
+        # that many times its share (exact when it is a power of two).
         self._acc = {"doc_sum": torch.zeros(n_docs, device=self.device),
                      "doc_tokens": torch.zeros(n_docs, dtype=torch.long, device=self.device),
-                     "global_tokens": float(global_tokens) / self.dp, "loss_scale": loss_scale, "loss_s": 0.0}
+                     "global_tokens": float(global_tokens) / self.replicas, "loss_scale": loss_scale, "loss_s": 0.0}
         plan = self.plan_for(batch)
         samples, walls, losses_all = [], [], []
         busy, padded = 0.0, 0
@@ -550,7 +607,7 @@ class Pipeline:
             losses: list[torch.Tensor] = []
             args = (tokens.to(self.device),) if 0 in self.local else ()
             target = packed.to(self.device) if self.has_last else None
-            earlier = [(q, q.grad) for q in self.model.parameters() if q.grad is not None] if self.dp > 1 else []
+            earlier = [(q, q.grad) for q in self.model.parameters() if q.grad is not None] if self.replicas > 1 else []
             start = time.perf_counter()
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
             walls.append(time.perf_counter() - start)
@@ -565,7 +622,7 @@ class Pipeline:
                     bwd = s.backward_s.get(chunk, 0.0)
                     samples.append(Sample(s.stage_index, p.rows, p.width, fwd + extra, bwd, s.saved.get(chunk, 0.0)))
                     busy += fwd + extra + bwd
-        loss = (torch.stack(losses_all).sum().detach().float() / (self.dp * loss_scale) if self.has_last
+        loss = (torch.stack(losses_all).sum().detach().float() / (self.replicas * loss_scale) if self.has_last
                 else torch.zeros((), device=self.device))
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.last_rank), group=self.group)
         # Under DP × PP over every rank, so that all dp ranks' schedulers hold the same
@@ -587,8 +644,14 @@ class Pipeline:
     # ------------------------------------------------------------------ the rest
     def clip_grad_norm(self, max_norm: float) -> float:
         """Stages hold disjoint parameters: the global norm is the root of their squares' sum
-        (with FSDP, of their shards' too; replicas count once)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        (with FSDP, of their shards' too; replicas count once; ep: each expert once, on its rank)."""
+        from training.parallel.expert_parallel import expert_parameters, grad_norm_squared, reduce_expert_grads
+
+        experts = expert_parameters(self.model)
+        if experts:  # summed over their replicas first: this runs once after every backward
+            reduce_expert_grads(self.model)
+        mine = {id(p) for p in experts}
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in mine]
         squares = torch.zeros((), dtype=torch.float64)
         if self.tp > 1:
             # Some gradients are tp shards (their squares add over tp), others tp replicas (the
@@ -600,16 +663,22 @@ class Pipeline:
             for g in grads:
                 g = g.to_local() if hasattr(g, "to_local") else g
                 squares += g.detach().double().pow(2).sum().cpu()
+            if self.shard_group is not None:
+                dist.all_reduce(squares, group=self.shard_group)
+        if experts:  # the stage's experts are spread over its ep ranks: their squares add over ep
+            squares += grad_norm_squared(self.model).double()
         dist.all_reduce(squares, group=self.group)
-        if self.shard_group is not None and self.tp == 1:
-            dist.all_reduce(squares, group=self.shard_group)
         total = squares.sqrt().to(torch.float32)
-        torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                             max_norm, total.to(self.device))
+        with_grad = [p for p in self.model.parameters() if p.grad is not None]
+        for part in ([p for p in with_grad if id(p) in mine], [p for p in with_grad if id(p) not in mine]):
+            if part:  # one kind of tensor per call: experts are plain, the rest DTensors under FSDP
+                torch.nn.utils.clip_grads_with_norm_(part, max_norm, total.to(self.device))
         return float(total)
 
     def parameter_count(self) -> int:
-        count = torch.tensor([sum(p.numel() for p in self.model.parameters())], dtype=torch.long)
+        from training.parallel.expert_parallel import count_parameters
+
+        count = torch.tensor([count_parameters(self.model)], dtype=torch.long)  # ep: each expert once
         dist.all_reduce(count, group=self.group)
         return int(count)
 
@@ -633,10 +702,19 @@ class Pipeline:
                 dist.send(x.contiguous(), dst=dist.get_global_rank(self.group, self.stage_rank[s + 1]), group=self.group)
         return x if self.has_last else None
 
-    @torch.no_grad()
     def evaluate(self, rows, params, device: torch.device) -> dict:
         """Held-out loss and accuracy through the pipeline's forward, as ``training.trainer.evaluate``
-        computes them in one process (results on every rank)."""
+        computes them in one process (results on every rank), in eval mode as there: cp's kernels
+        then run whole rows on every rank."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self._evaluate(rows, params, device)
+        finally:
+            self.model.train(training)
+
+    @torch.no_grad()
+    def _evaluate(self, rows, params, device: torch.device) -> dict:
         from training.data import make_batch
         from training.precision import precision_context
 
@@ -683,12 +761,12 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 def check_pipeline_layout(dims, params) -> None:
     """What pp runs with today, refused clearly otherwise (before any process builds a stage)."""
-    others = {n: getattr(dims, n) for n in ("cp", "ep") if getattr(dims, n) > 1}
-    if others:
-        raise AssayError(f"parallel: pp combines with data parallel and tp only, not yet with cp or ep (got {others}): "
-                         "a stage boundary would carry context shards of the sequence or tokens routed to other "
-                         "ranks' experts, which the stages' static shapes do not describe")
     p = params.parallel
+    if dims.cp > 1 and p.pp_dynamic:
+        # The dynamic plans trim passes to a micro-batch's longest row, from the row's start; a cp
+        # rank holds positions spread over the row (zig-zag), not its start.
+        raise AssayError("parallel: pp_dynamic does not run with cp > 1; use the static micro-batches "
+                         "(--pp-static)")
     if dims.tp > 1 and p.pp_dynamic:
         # The dynamic plans trim passes to the longest row of a micro-batch: any width, while
         # sequence parallel needs widths that split over the tp ranks.

@@ -109,9 +109,9 @@ class Parallel:
     def mode(self) -> str:
         if not self.on:
             return "single"
-        if self.pipelined:  # "pp", "fsdp+pp", "hsdp+pp", "ddp+pp", "tp+pp", "fsdp+tp+pp", "hsdp+tp+pp"
+        if self.pipelined:  # "pp", "fsdp+pp", "hsdp+pp", "ddp+pp", "tp+pp", "fsdp+tp+pp", "cp+pp", "fsdp+cp+pp", ...
             dp = ("hsdp" if self.dims.ddp else "fsdp") if self.dims.fsdp else ("ddp" if self.dims.ddp else "")
-            return "+".join([dp] * bool(dp) + ["tp"] * (self.dims.tp > 1) + ["pp"])
+            return "+".join([dp] * bool(dp) + ["cp"] * (self.dims.cp > 1) + ["tp"] * (self.dims.tp > 1) + ["pp"])
         if self.dims.tp > 1:  # "tp", "fsdp+tp", "hsdp+tp"
             return "+".join(["hsdp" if self.dims.ddp else "fsdp"] * self.dims.fsdp + ["tp"])
         if self.dims.cp > 1:  # "cp", "ddp+cp", "fsdp+cp", "hsdp+cp"
@@ -145,14 +145,19 @@ class Parallel:
 
             apply_expert_parallel(model, self.dims.ep_mesh(self.mesh), self.dims.dp)
         # --- context parallel (cp) ---
-        if self.dims.cp > 1:
+        if self.dims.cp > 1 and self.pipelined:  # the stages' kernels; data parallelism below, per stage
+            from training.parallel.context_parallel import context_parallel
+
+            self.context = context_parallel(model, self.mesh, self.dims, model.args.max_seq_len)
+            self.pipeline.apply_context_parallel(self.context)
+        elif self.dims.cp > 1:
             from training.parallel.context_parallel import apply_context_parallel
 
             # It applies data parallelism too, over dp × cp: its cp ranks' gradients reduce with dp's.
             self.context = apply_context_parallel(model, self.mesh, self.dims, self.precision, model.args.max_seq_len)
             return model
-        if self.pipelined:  # DP × PP: each stage's module wrapped over its dp sub-mesh, not the pruned model
-            if self.dims.dp > 1:
+        if self.pipelined:  # DP × PP: each stage's module wrapped over its dp (× cp) sub-mesh, not the pruned model
+            if self.dims.dp * self.dims.cp > 1:
                 self.pipeline.apply_data_parallel(self.mesh, self.dims, self.precision)
             return model
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
@@ -176,10 +181,10 @@ class Parallel:
     def local_batch(self, whole: Batch) -> LocalBatch:
         if not self.on:
             return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
-        if self.pipelined and self.dims.dp == 1:  # every stage runs every row
-            return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
         if self.dims.cp > 1:  # this dp rank's documents, of each row this rank's positions
             return self.context.local_batch(whole)
+        if self.pipelined and self.dims.dp == 1:  # every stage runs every row
+            return LocalBatch(whole, 1.0, int(whole.loss_mask.sum()), True)
         if self.dims.dp == 1:  # e.g. tp alone: every rank takes the whole batch (and the mesh has no dp)
             return local_batch(whole, 0, 1)
         dp_mesh = self.dims.dp_mesh(self.mesh)
@@ -188,9 +193,9 @@ class Parallel:
     def global_loss(self, local_mean: torch.Tensor, local_tokens: int, global_tokens: int) -> torch.Tensor:
         """The single-process batch loss: token-loss sums added over ranks, over all tokens."""
         if not self.on or self.pipelined:  # pp: the last stage's sum, broadcast already
-            if self.on and self.dims.dp > 1:  # DP × PP: the pp groups' sums add over dp
+            if self.on and self.pipeline.batch_group is not None:  # DP (× CP) × PP: the pp groups' sums add up
                 total = local_mean.detach().float().clone()
-                dist.all_reduce(total, group=self.dims.dp_mesh(self.mesh).get_group())
+                dist.all_reduce(total, group=self.pipeline.batch_group)
                 return total
             return local_mean
         if self.dims.tp > 1:  # the tp ranks of a dp group hold the same rows: add over dp only
@@ -205,9 +210,10 @@ class Parallel:
         """Whether this rank records its documents' telemetry: with tp, the first rank of each
         tp group does (its ranks hold the same documents and the same, tp-summed, norms)."""
         first_of_tp = self.dims.tp == 1 or self.mesh["tp"].get_local_rank() == 0
+        first_of_cp = self.dims.cp == 1 or self.context.rank == 0  # it holds the cp-summed losses
         if self.pipelined:  # the last stage computed the losses (with tp: its first tp rank writes them)
-            return self.pipeline.has_last and first_of_tp
-        if self.on and self.dims.cp > 1 and self.context.rank > 0:  # cp: rank 0 writes the cp-summed losses
+            return self.pipeline.has_last and first_of_tp and first_of_cp
+        if self.on and not first_of_cp:  # cp: rank 0 writes the cp-summed losses
             return False
         return first_of_tp
 
@@ -219,10 +225,10 @@ class Parallel:
 
     def sum_moe_loads(self, model: nn.Module, has_documents: bool) -> None:
         """Aux-loss-free balancing sees the global batch's expert loads, as one process would."""
-        if not self.on or (self.pipelined and self.dims.dp == 1):  # pp: each stage saw the whole batch
+        if not self.on or (self.pipelined and self.pipeline.batch_group is None):  # pp: each stage saw the whole batch
             return
-        # DP × PP: a stage's layers saw this dp rank's rows; the stage's dp ranks add theirs.
-        group = self.dims.dp_mesh(self.mesh).get_group() if self.pipelined else None
+        # DP (× CP) × PP: a stage's layers saw this rank's tokens; the stage's dp × cp ranks add theirs.
+        group = self.pipeline.batch_group if self.pipelined else None
         for moe in model.moe_layers():
             if not has_documents:  # the placeholder row is not part of the batch
                 moe.tokens_per_expert.zero_()
@@ -240,10 +246,10 @@ class Parallel:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
         if not self.on:
             return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        if self.pipelined:  # its stages' experts too (ep × pp)
+            return self.pipeline.clip_grad_norm(max_norm)
         if self.dims.ep > 1:
             return self._clip_grad_norm_ep(model, max_norm)
-        if self.pipelined:
-            return self.pipeline.clip_grad_norm(max_norm)
         parameters = [p for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
         if isinstance(total, DTensor):  # FSDP: a partial norm per rank, reduced here
