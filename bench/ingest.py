@@ -9,7 +9,9 @@
    hundred MB) and ingested to Parquet by
    - ours with Arrow blocks (the default) and with the line-by-line reference,
    - datatrove's JsonlReader → ParquetWriter (zstd),
-   - Hugging Face `datasets.load_dataset("json")` + `to_parquet` (snappy).
+   - Hugging Face `datasets.load_dataset("json")` + `to_parquet` (snappy),
+   - and a floor: Arrow's JSON parser on the same 4 MiB blocks and our Parquet
+     writer, with nothing else (no checks, ids, meta, kind/language, decisions).
    The tools take turns, `--repeats` rounds in a rotating order, and the
    median of each is reported with its ratio to `datasets`, in wall-clock
    seconds and in CPU seconds of the process (all threads): on a shared
@@ -112,11 +114,42 @@ def datasets_tool(path, out, params):
     return time.perf_counter() - started, len(ds), ""
 
 
+def floor_tool(path, out, params):
+    """pyarrow.json on 4 MiB blocks and the same Parquet writer, and nothing else: no check, id,
+    meta, kind or language, decisions or manifest. What our reader costs above this is its work."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    from assay.shards import ShardWriter
+
+    schema = pa.schema([("id", pa.string()), ("text", pa.large_string()), ("source", pa.string()), ("path", pa.string())])
+    parse_options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    started, seen, pending = time.perf_counter(), 0, b""
+    try:
+        with open(path, "rb") as handle, ShardWriter(out, schema) as writer:
+            while True:
+                chunk = handle.read(4 * 2**20)
+                data = pending + chunk
+                cut = data.rfind(b"\n") + 1 if chunk else len(data)
+                if cut:
+                    table = pa_json.read_json(pa.BufferReader(data[:cut]), parse_options=parse_options,
+                                              read_options=pa_json.ReadOptions(use_threads=False, block_size=cut + 1))
+                    writer.write(table)
+                    seen += table.num_rows
+                pending = data[cut:]
+                if not chunk:
+                    break
+    except pa.ArrowInvalid as exc:
+        return time.perf_counter() - started, 0, f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+    return time.perf_counter() - started, seen, ""
+
+
 def tools():
     """The tools by name; their modules are imported here, so no timing includes an import."""
     found = {"assay, Arrow blocks (default: on the reading thread)": assay_tool("arrow"),
              "assay, Arrow blocks, 2 worker threads (jsonl_threads: 2)": assay_tool("arrow", jsonl_threads=2),
-             "assay, line by line (reference)": assay_tool("lines")}
+             "assay, line by line (reference)": assay_tool("lines"),
+             "floor: pyarrow.json + assay's Parquet writer, nothing else": floor_tool}
     try:
         import datatrove.pipeline.readers  # noqa: F401
         import datatrove.pipeline.writers  # noqa: F401

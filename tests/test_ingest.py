@@ -778,3 +778,20 @@ def test_a_missing_field_sends_a_line_to_python_only_if_it_holds_a_json_null_mem
     assert json.loads(fast["documents"][7]["meta"]) == {"extra": None}
     assert json.loads(fast["documents"][12]["meta"]) == {"a": None, "b": 2}
     assert counts["jsonl_lines_python"] == 2  # lines 8 and 13, not every text that says "null"
+
+
+@pytest.mark.parametrize("lines", [0, 1, 2, 255, 256, 257, 600])
+def test_line_ends_are_numpy_s_newlines_whether_find_or_numpy_finds_them(lines):
+    import numpy as np
+
+    from assay.ingest.jsonl import FIND_LINES, Scratch, _line_ends
+
+    assert FIND_LINES == 256  # the parameters straddle it
+    body = b"".join(b'{"text": "' + b"x" * (i % 7) + b'"}\n' for i in range(lines))
+    for tail in (b"", b'{"text": "no newline"}'):
+        data = body + tail
+        want = (np.flatnonzero(np.frombuffer(data, np.uint8) == 10) + 1).tolist()
+        for buffer in (bytearray(data + b"\nnot in the view\n"), data + b"\nnot in the view\n"):
+            view = memoryview(buffer)[:len(data)]  # a block is a view of the start of a longer buffer
+            assert _line_ends(view).tolist() == want
+            assert _line_ends(view, Scratch()).tolist() == want
