@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import io
 import json
 import os
 import random
@@ -463,6 +464,49 @@ def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):
     again = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
     assert again == manifest
     assert {p: p.stat().st_mtime_ns for p in parts} == stamps
+
+
+class _Planted:
+    """Unpickling this would run ``touch``: a reference cache must never be unpickled as objects."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("payload", ["truncated", "pickled-object"])
+def test_a_reference_cache_that_does_not_load_is_recomputed(tiny, scored, tmp_path, payload):
+    """A killed run leaves `.reference/step-N.pt` for the resume. One that does not load, a cut
+    file or one holding a pickled object (which weights_only refuses), is recomputed with a
+    warning: never trusted, never executed, and the redone part equals the original."""
+    from training.score import score_dataset
+
+    out = tmp_path / "scores"
+    shutil.copytree(scored["out"], out)
+    parts = sorted(out.glob("part-*.parquet"))
+    victim = parts[0]
+    original = pq.read_table(victim).to_pylist()
+    victim.unlink()
+    cache = out / ".reference" / f"step-{10:08d}.pt"
+    cache.parent.mkdir(exist_ok=True)
+    marker = tmp_path / "unpickled"
+    if payload == "truncated":
+        buffer = io.BytesIO()
+        torch.save({"text": {"w": torch.ones(4)}}, buffer)
+        cache.write_bytes(buffer.getvalue()[:40])
+    else:
+        torch.save({"text": _Planted(marker)}, cache)
+    cache.with_suffix(".json").write_text(json.dumps({"strata": {}}))
+    with pytest.warns(UserWarning, match="reference-gradient cache does not load"):
+        score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    assert not marker.exists()
+    redone = pq.read_table(victim).to_pylist()
+    assert [r["sample_id"] for r in redone] == [r["sample_id"] for r in original]
+    for a, b in zip(redone, original):
+        assert a["alignment"] == pytest.approx(b["alignment"], abs=1e-6)
+    assert not list((out / ".reference").glob("*.pt"))  # recomputed, then cleared with the run's end
 
 
 def test_other_params_need_overwrite_and_bad_inputs_say_why(tiny, scored, tmp_path):

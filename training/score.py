@@ -550,6 +550,25 @@ def _fingerprint(version: DatasetVersion, run_dir: Path, checkpoints: list[_Chec
 
 
 # ------------------------------------------------------------------ the pass
+def _read_reference_cache(cache: Path, dev: torch.device) -> tuple[dict, dict] | None:
+    """A killed run's reference gradients, or None when there are none to trust. The cache is
+    only ever ours, but a file that does not load (truncated, edited, or holding anything but
+    tensors, which ``weights_only`` refuses) costs one recomputation, never the run."""
+    meta = cache.with_suffix(".json")
+    if not (cache.is_file() and meta.is_file()):
+        return None
+    try:
+        grads = torch.load(cache, map_location=dev, weights_only=True)
+        info = json.loads(meta.read_text())
+        if not isinstance(grads, dict) or not isinstance(info, dict) or "strata" not in info:
+            raise ValueError("not a reference-gradient cache")
+    except Exception as err:  # noqa: BLE001 (any failure to read it means recompute)
+        warnings.warn(f"{cache}: the reference-gradient cache does not load ({type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else 'no detail'}); recomputing it", stacklevel=2)
+        return None
+    return grads, info
+
+
 def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
                   params: ScoringParams | None = None, *, rev: str | None = None, overwrite: bool = False,
                   device: str | None = None, progress: bool = True) -> dict[str, Any]:
@@ -610,9 +629,9 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
                 strata_info[str(ck.step)] = json.loads(cache.with_suffix(".json").read_text())
                 continue
             model = load_model(ck.path, ck.state, vocab, dev)
-            if cache.is_file() and cache.with_suffix(".json").is_file():
-                grads = torch.load(cache, map_location=dev, weights_only=True)
-                info = json.loads(cache.with_suffix(".json").read_text())
+            cached = _read_reference_cache(cache, dev)
+            if cached is not None:
+                grads, info = cached
             else:
                 if reference_rows is None:
                     reference_rows = _rows_for(list(_iter_texts(version, lambda p: bool(docs.reference[p]))),
