@@ -4,6 +4,8 @@
   slice of the tokens; its outputs, input gradients, the router's gradient (summed) and
   its experts' gradients equal one process's to 1e-12, also when one rank's experts get
   no token at all (then their gradients stay None, as in one process).
+- Without ep, under FSDP (tests/parallel/moe_fsdp_routing.py): an expert one rank's tokens reach
+  and the other's do not gets its reduced gradient on both (1e-12); one no rank routed to keeps None.
 - Training with torchrun: step 1's gradients (atol 2e-5), the losses of 5 steps (rtol 1e-5),
   the parameters and the balancing bias after 5 steps (atol 2e-5), as tests/test_parallel.py
   checks the data-parallel modes. The tolerances are fp32's.
@@ -80,6 +82,17 @@ def test_dispatch_and_combine_equal_one_process(bias, tmp_path):
     assert all(g[0] == "ok" for g in got)
     # Expert parameters with a gradient on each rank: all 6 on both, or none on rank 1.
     assert [int(g[1]) for g in got] == ([6, 6] if bias[0] == 0 else [6, 0])
+
+
+@pytest.mark.parallel_quick
+def test_fsdp_runs_the_experts_any_rank_routed_to(tmp_path):
+    """Without ep, FSDP owns the experts: an expert one rank's tokens reach and another's do not
+    must still be reduced on both (see tests/parallel/moe_fsdp_routing.py)."""
+    from parallel.moe_fsdp_routing import check
+
+    result = tmp_path / "result"
+    mp.spawn(check, args=(2, _free_port(), True, str(result)), nprocs=2)
+    assert [(tmp_path / f"result.{r}").read_text().split() for r in range(2)] == [["ok"], ["ok"]]
 
 
 # --------------------------------------------------------- real multi-process runs

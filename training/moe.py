@@ -18,10 +18,14 @@ tokens with ``index_select`` and scatters the gated outputs back with
 limit, so no token is ever dropped (and routing stays causal).
 
 Parallelism-agnostic: under data/expert parallelism the counts must be summed
-across ranks (all-reduce ``tokens_per_expert``) before :meth:`update_bias`.
+across ranks (all-reduce ``tokens_per_expert``) before :meth:`update_bias`, and
+a layout that reduces expert gradients over ranks with different tokens sets
+``experts_in_graph`` (``training.parallel.data_parallel``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +81,11 @@ class MoE(nn.Module):
         # The same for this rank's own tokens wherever their experts ran (under expert parallel
         # other ranks' experts, and last_dispatch is None): which tokens went to which expert.
         self.last_routing: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Which experts join this forward's graph: by default those this forward routed a token
+        # to (an expert with none gets no gradient, None, and AdamW skips it). A parallel layout
+        # whose gradient reduction needs the same experts on every rank of a group sets a
+        # function from these counts to counts that say which experts run (the rest on no rows).
+        self.experts_in_graph: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ init
     def init_weights(self, init_std: float, generator: torch.Generator | None = None) -> None:
@@ -116,11 +125,12 @@ class MoE(nn.Module):
         sorted_gates = gates.reshape(-1).index_select(0, order)
         self.last_dispatch = self.last_routing = (token_ids, counts)
 
+        joined = counts if self.experts_in_graph is None else self.experts_in_graph(counts)
         out = torch.zeros_like(flat)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # one host sync per layer
-            if n == 0:
-                continue
+        for e, (n, j) in enumerate(zip(counts.tolist(), joined.tolist())):  # one host sync per layer
+            if j == 0:
+                continue  # with n == 0 < j the expert runs on no rows: a zero gradient, not None
             ids = token_ids[start : start + n]
             y = self.experts[e](flat.index_select(0, ids))
             y = y * sorted_gates[start : start + n].unsqueeze(-1).to(y.dtype)

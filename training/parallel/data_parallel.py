@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -28,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from training.parallel.dims import ParallelDims
 from training.precision import autocast_dtype
 
-__all__ = ["apply_data_parallel", "mixed_precision_policy", "zero1_optimizer"]
+__all__ = ["apply_data_parallel", "join_experts_routed_in_group", "mixed_precision_policy", "zero1_optimizer"]
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -69,6 +70,30 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
     if dims.ddp:
         return apply_ddp(model, mesh["dp_replicate"])
     return model
+
+
+def join_experts_routed_in_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every rank of ``group`` (those whose gradients reduce together) run the same experts.
+
+    FSDP and replicate reduce the gradients a block's parameters hold on each rank, and one
+    process leaves an expert no token reached with no gradient. On ranks with different
+    tokens, a rank whose tokens missed an expert that a peer's reached would send fewer
+    bytes (gloo aborts: "Received data size doesn't match expected size"; found at step 9 of
+    a 2-rank FSDP MoE run). So each MoE layer sums its routing counts over the group in every
+    forward that builds a graph, and an expert routed anywhere in it runs on every rank, on
+    no rows where it has none: a zero gradient there, the peers' in the reduction. One routed
+    nowhere still gets None on every rank, as in one process. Eight integers per layer.
+    """
+
+    def routed_in_group(counts: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: no backward, nothing to agree on
+            return counts
+        total = counts.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    for moe in model.moe_layers():
+        moe.experts_in_graph = routed_in_group
 
 
 def zero1_optimizer(groups: Iterable[dict], mesh: DeviceMesh, **defaults) -> ZeroRedundancyOptimizer:

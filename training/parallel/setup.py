@@ -27,7 +27,7 @@ from assay.errors import AssayError
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.data import Batch
 from training.parallel.batches import LocalBatch, local_batch
-from training.parallel.data_parallel import apply_data_parallel, zero1_optimizer
+from training.parallel.data_parallel import apply_data_parallel, join_experts_routed_in_group, zero1_optimizer
 from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
 from training.precision import loss_scaler, scales_loss
@@ -155,11 +155,17 @@ class Parallel:
 
             # It applies data parallelism too, over dp × cp: its cp ranks' gradients reduce with dp's.
             self.context = apply_context_parallel(model, self.mesh, self.dims, self.precision, model.args.max_seq_len)
+            if self.dims.ep == 1:
+                join_experts_routed_in_group(model, None)  # every cp rank routes its own positions
             return model
         if self.pipelined:  # DP × PP: each stage's module wrapped over its dp (× cp) sub-mesh, not the pruned model
             if self.dims.dp * self.dims.cp > 1:
                 self.pipeline.apply_data_parallel(self.mesh, self.dims, self.precision)
+                if self.dims.ep == 1:
+                    join_experts_routed_in_group(model, self.pipeline.batch_group)
             return model
+        if self.dims.dp > 1 and self.dims.ep == 1:  # ep: experts are outside FSDP, reduce_expert_grads agrees
+            join_experts_routed_in_group(model, None)  # tp ranks route alike, so the world is the dp group's union
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
 
     def loss_scaler(self, precision: str, device: torch.device, init_scale: float) -> torch.amp.GradScaler:
