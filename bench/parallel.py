@@ -1,7 +1,7 @@
 """Data-parallel training on CPU: tokens/s and bytes per rank for each mode at 1, 2 and 4 ranks.
 
     python bench/parallel.py [--data DIR] [--steps 20] [--dim 128] [--layers 4] [--ranks 1,2,4]
-        [--modes ddp,ddp+zero1,fsdp,tp,fsdp+tp,pp,fsdp+pp,ddp+pp]
+        [--modes ddp,ddp+zero1,fsdp,tp,fsdp+tp,pp,fsdp+pp,ddp+pp,cp,fsdp+cp,cp+pp]
 
 Each mode trains the same model on the same data and seed through `assay train`'s
 torchrun path (training.parallel.worker), one CPU thread per rank, and reports from
@@ -45,6 +45,9 @@ MODES = {
     "pp": (2, {"pp": 2, "dp_shard": 1}),  # two stages (params.yaml's schedule: 1F1B unless set)
     "fsdp+pp": (4, {"dp_shard": 2, "pp": 2}),  # each stage FSDP-sharded over 2 ranks
     "ddp+pp": (4, {"dp_replicate": 2, "dp_shard": 1, "pp": 2}),  # each stage replicated over 2 ranks
+    "cp": (2, {"cp": 2, "dp_shard": 1}),  # every row's sequence split over 2 ranks (ring attention)
+    "fsdp+cp": (4, {"dp_shard": 2, "cp": 2}),
+    "cp+pp": (4, {"cp": 2, "pp": 2, "dp_shard": 1}),
 }
 
 
