@@ -58,15 +58,20 @@ def _random_bytes(rng: random.Random, real: list[dict]) -> str:
     return raw.decode("latin-1")
 
 
-def _shuffled(rng: random.Random, doc: dict) -> str:
-    lines = [line.split() for line in doc["text"].splitlines()]
-    tokens = [t for line in lines for t in line]
-    rng.shuffle(tokens)
+def shuffle_words(text: str, rng: random.Random) -> str:
+    """The words of ``text`` shuffled across it, each line keeping its word count."""
+    lines = [line.split() for line in text.splitlines()]
+    words = [w for line in lines for w in line]
+    rng.shuffle(words)
     out, at = [], 0
     for line in lines:
-        out.append(" ".join(tokens[at:at + len(line)]))
+        out.append(" ".join(words[at:at + len(line)]))
         at += len(line)
     return "\n".join(out)
+
+
+def _shuffled(rng: random.Random, doc: dict) -> str:
+    return shuffle_words(doc["text"], rng)
 
 
 def _repeated_line(rng: random.Random, doc: dict, real: list[dict]) -> str:

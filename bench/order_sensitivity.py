@@ -29,20 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from assay.planted import PLANTED_KINDS, auc, planted_kind  # noqa: E402
+from assay.planted import PLANTED_KINDS, auc, planted_kind, shuffle_words  # noqa: E402
 from filters.dynamic import robust_z  # noqa: E402
-
-
-def shuffle_words(text: str, rng: random.Random) -> str:
-    """The words of ``text`` shuffled across it, each line keeping its word count."""
-    lines = [line.split() for line in text.splitlines()]
-    words = [w for line in lines for w in line]
-    rng.shuffle(words)
-    out, at = [], 0
-    for line in lines:
-        out.append(" ".join(words[at:at + len(line)]))
-        at += len(line)
-    return "\n".join(out)
 
 
 def shuffle_tokens(tokens: np.ndarray, lengths: np.ndarray, rng: np.random.Generator) -> np.ndarray:
