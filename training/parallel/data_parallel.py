@@ -82,7 +82,10 @@ def join_experts_routed_in_group(model: nn.Module, group: dist.ProcessGroup | No
     a 2-rank FSDP MoE run). So each MoE layer sums its routing counts over the group in every
     forward that builds a graph, and an expert routed anywhere in it runs on every rank, on
     no rows where it has none: a zero gradient there, the peers' in the reduction. One routed
-    nowhere still gets None on every rank, as in one process. Eight integers per layer.
+    nowhere still gets None on every rank, as in one process. One all-reduce of n_experts
+    integers per layer and forward. Not exact in one case: a rank without documents runs a
+    masked placeholder row, and an expert only its tokens reached gets zeros on every rank
+    (AdamW then decays its moments) where one process leaves it None.
     """
 
     def routed_in_group(counts: torch.Tensor) -> torch.Tensor:
