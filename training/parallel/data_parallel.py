@@ -58,7 +58,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=mesh)
+    # DDP's reducer expects a gradient for every parameter every step; an expert no rank routed
+    # to has none. With unused-parameter detection it leaves those None (as one process does)
+    # and reduces the rest; it costs a walk of the autograd graph per forward, so MoE models only.
+    has_moe = bool(model.moe_layers()) if hasattr(model, "moe_layers") else False
+    replicate(model, device_mesh=mesh, find_unused_parameters=has_moe)
     return model
 
 
