@@ -110,6 +110,7 @@ def test_the_temporary_prefect_server_listens_on_loopback(prefect_harness):
     assert {address for address, _ in listening} == {"127.0.0.1"}, listening
 
 
+@pytest.mark.slow  # needs the engines' extra, which `make test-slow` installs and `make test` does not
 def test_a_local_dask_cluster_listens_on_loopback_only():
     """`flow.task_runner: dask` without an address starts a LocalCluster (about 4 s): its scheduler, workers
     and dashboard (which has no login) listen on 127.0.0.1 only."""
