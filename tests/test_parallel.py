@@ -245,6 +245,7 @@ MANY_EXPERTS = {**MOE_MODEL, "n_experts": 64, "moe_topk": 2, "moe_hidden": 8}
 
 @pytest.mark.parametrize("layout", [pytest.param({"dp_shard": 2}, id="fsdp", marks=pytest.mark.parallel_quick),
                                     pytest.param({"dp_replicate": 2, "dp_shard": 1}, id="ddp"),
+                                    pytest.param({"dp_replicate": 2, "dp_shard": 1, "zero1": True}, id="zero1"),
                                     pytest.param({"cp": 2, "dp_shard": 1}, id="cp")])
 def test_moe_without_expert_parallel_matches_one_process(workspace, tmp_path, layout):
     """Without ep, data parallel owns the experts and reduces what each rank holds, and each step
