@@ -128,7 +128,8 @@ class MoE(nn.Module):
         joined = counts if self.experts_in_graph is None else self.experts_in_graph(counts)
         out = torch.zeros_like(flat)
         start = 0
-        for e, (n, j) in enumerate(zip(counts.tolist(), joined.tolist())):  # one host sync per layer
+        routed = counts.tolist()  # one host sync per layer (two when a layout joins experts)
+        for e, (n, j) in enumerate(zip(routed, routed if joined is counts else joined.tolist())):
             if j == 0:
                 continue  # with n == 0 < j the expert runs on no rows: a zero gradient, not None
             ids = token_ids[start : start + n]

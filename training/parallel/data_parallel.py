@@ -49,6 +49,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
     policy = mixed_precision_policy(precision)
     # Expert-parallel experts differ from rank to rank: FSDP must neither shard nor average them.
     ignored = set(expert_parameters(model)) or None
+    if ignored is None:  # FSDP reduces the experts: every rank must hold the same ones
+        join_experts_routed_in_group(model, None)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
@@ -62,6 +64,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     # to has none. With unused-parameter detection it leaves those None (as one process does)
     # and reduces the rest; it costs a walk of the autograd graph per forward, so MoE models only.
     has_moe = bool(model.moe_layers()) if hasattr(model, "moe_layers") else False
+    join_experts_routed_in_group(model, None)
     replicate(model, device_mesh=mesh, find_unused_parameters=has_moe)
     return model
 
@@ -78,6 +81,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
 
 def join_experts_routed_in_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make every rank of ``group`` (those whose gradients reduce together) run the same experts.
+    Called by each wrapper that reduces the experts' gradients (FSDP and DDP here, over the world,
+    a superset of their group; the pipeline's, over a stage's ``batch_group``); not under ep,
+    whose experts stay out of the wrappers.
 
     FSDP and replicate reduce the gradients a block's parameters hold on each rank, and one
     process leaves an expert no token reached with no gradient. On ranks with different
@@ -99,7 +105,7 @@ def join_experts_routed_in_group(model: nn.Module, group: dist.ProcessGroup | No
         dist.all_reduce(total, group=group)
         return total
 
-    for moe in model.moe_layers():
+    for moe in model.moe_layers() if hasattr(model, "moe_layers") else ():
         moe.experts_in_graph = routed_in_group
 
 

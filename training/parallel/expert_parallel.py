@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from assay.errors import AssayError
 from training.moe import MoE
 
-__all__ = ["EPDispatch", "LocalExperts", "apply_expert_parallel", "count_parameters", "expert_parameters",
+__all__ = ["EPDispatch", "LocalExperts", "apply_expert_parallel", "clip_grads_by_kind", "count_parameters", "expert_parameters",
            "grad_norm_squared", "reduce_expert_grads"]
 
 
@@ -228,6 +228,15 @@ def grad_norm_squared(model: nn.Module) -> torch.Tensor:
         total = torch.nn.utils.get_total_norm(grads, 2.0).float().cpu() ** 2
     dist.all_reduce(total, group=layers[0].group)
     return total
+
+
+def clip_grads_by_kind(parameters: list[nn.Parameter], experts: set[int], max_norm: float,
+                       total: torch.Tensor) -> None:
+    """Clip to ``total`` in one call per kind of tensor: ``clip_grads_with_norm_`` takes one kind,
+    and experts (ids in ``experts``) are plain tensors while the rest are DTensors under FSDP."""
+    for part in ([p for p in parameters if id(p) in experts], [p for p in parameters if id(p) not in experts]):
+        if part:
+            torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -427,7 +427,7 @@ class Pipeline:
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 
-        from training.parallel.data_parallel import mixed_precision_policy
+        from training.parallel.data_parallel import join_experts_routed_in_group, mixed_precision_policy
         from training.parallel.expert_parallel import expert_parameters
 
         policy = mixed_precision_policy(precision)
@@ -452,11 +452,13 @@ class Pipeline:
             wrap(block)
         for s in sorted(self.modules):
             wrap(self.modules[s])
+        batch = [n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1]
+        self.batch_group = _flat(mesh, batch).get_group()
+        if ignored is None:  # the wrappers reduce the experts: a stage's ranks must hold the same ones
+            join_experts_routed_in_group(self.model, self.batch_group)
         if dims.dp > 1:
             self.dp, self.dp_group = dims.dp, dims.dp_mesh(mesh).get_group()
         self.replicas = dims.dp * dims.cp
-        self.batch_group = _flat(mesh, [n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1]
-                                 ).get_group()
         # The shards this rank keeps; gathered parameters are new each step and count as saved bytes.
         self.own = _held(self.model)
 
@@ -645,7 +647,8 @@ class Pipeline:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Stages hold disjoint parameters: the global norm is the root of their squares' sum
         (with FSDP, of their shards' too; replicas count once; ep: each expert once, on its rank)."""
-        from training.parallel.expert_parallel import expert_parameters, grad_norm_squared, reduce_expert_grads
+        from training.parallel.expert_parallel import (clip_grads_by_kind, expert_parameters, grad_norm_squared,
+                                                       reduce_expert_grads)
 
         experts = expert_parameters(self.model)
         if experts:  # summed over their replicas first: this runs once after every backward
@@ -670,9 +673,7 @@ class Pipeline:
         dist.all_reduce(squares, group=self.group)
         total = squares.sqrt().to(torch.float32)
         with_grad = [p for p in self.model.parameters() if p.grad is not None]
-        for part in ([p for p in with_grad if id(p) in mine], [p for p in with_grad if id(p) not in mine]):
-            if part:  # one kind of tensor per call: experts are plain, the rest DTensors under FSDP
-                torch.nn.utils.clip_grads_with_norm_(part, max_norm, total.to(self.device))
+        clip_grads_by_kind(with_grad, mine, max_norm, total.to(self.device))
         return float(total)
 
     def parameter_count(self) -> int:

@@ -27,7 +27,7 @@ from assay.errors import AssayError
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.data import Batch
 from training.parallel.batches import LocalBatch, local_batch
-from training.parallel.data_parallel import apply_data_parallel, join_experts_routed_in_group, zero1_optimizer
+from training.parallel.data_parallel import apply_data_parallel, zero1_optimizer
 from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
 from training.precision import loss_scaler, scales_loss
@@ -155,17 +155,11 @@ class Parallel:
 
             # It applies data parallelism too, over dp × cp: its cp ranks' gradients reduce with dp's.
             self.context = apply_context_parallel(model, self.mesh, self.dims, self.precision, model.args.max_seq_len)
-            if self.dims.ep == 1:
-                join_experts_routed_in_group(model, None)  # every cp rank routes its own positions
             return model
         if self.pipelined:  # DP × PP: each stage's module wrapped over its dp (× cp) sub-mesh, not the pruned model
             if self.dims.dp * self.dims.cp > 1:
                 self.pipeline.apply_data_parallel(self.mesh, self.dims, self.precision)
-                if self.dims.ep == 1:
-                    join_experts_routed_in_group(model, self.pipeline.batch_group)
             return model
-        if self.dims.dp > 1 and self.dims.ep == 1:  # ep: experts are outside FSDP, reduce_expert_grads agrees
-            join_experts_routed_in_group(model, None)  # tp ranks route alike, so the world is the dp group's union
         return apply_data_parallel(model, self.dims, self.mesh, self.precision)
 
     def loss_scaler(self, precision: str, device: torch.device, init_scale: float) -> torch.amp.GradScaler:
@@ -267,7 +261,8 @@ class Parallel:
         """Experts are plain tensors, different on each ep rank (their squares add over ep); the
         rest are FSDP shards, whose norm DTensor reduces. The experts' gradients are first summed
         over their replicas: this runs once after every backward, before anything reads them."""
-        from training.parallel.expert_parallel import expert_parameters, grad_norm_squared, reduce_expert_grads
+        from training.parallel.expert_parallel import (clip_grads_by_kind, expert_parameters, grad_norm_squared,
+                                                       reduce_expert_grads)
 
         reduce_expert_grads(model)
         experts = {id(p) for p in expert_parameters(model)}
@@ -279,8 +274,7 @@ class Parallel:
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             squared = squared + norm.float().cpu() ** 2
         total = squared.sqrt()
-        for group in ([p for p in parameters if id(p) in experts], [p for p in parameters if id(p) not in experts]):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)  # one kind of tensor per call
+        clip_grads_by_kind(parameters, experts, max_norm, total)
         return float(total)
 
     def parameter_count(self, model: nn.Module) -> int:
