@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.grad_norms import (
+    MicroBatchNorms,
     per_document_grad_norms_functional,
     per_document_grad_norms_reference,
     per_document_loss_and_grad_norm,
+    token_losses,
 )
 from training.model import ModelArgs, Transformer
 
@@ -95,6 +97,47 @@ def test_matches_reference_and_plain_backward(variant, method):
     if variant == "moe":  # one forward's worth of load, as in a plain step: the reference undid its own
         for a, b in zip(model.moe_layers(), twin.moe_layers()):
             assert torch.equal(a.tokens_per_expert, b.tokens_per_expert)
+    assert_no_hooks(model)
+
+
+# Two passes as a pipeline schedule runs them (training.parallel.pipeline): micro-batches of rows
+# (-1: a filler row), the second pass of a dense model trimmed to 12 positions (rows 1 and 3 end
+# before that; the pipeline trims dense models only). Document 0 (rows 0, 3) is split over the
+# passes, document 2 (rows 2, 4) over two micro-batches.
+PASSES = [([[0, 4], [2, -1]], 16), ([[3], [1]], 12)]
+
+
+@pytest.mark.parametrize("method", ["auto", "ghost", "materialise"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_micro_batches_give_the_whole_batch_norms(variant, method):
+    model = build(**VARIANTS[variant])
+    twin = copy.deepcopy(model)
+    tokens, targets, mask = batch()
+    want = per_document_loss_and_grad_norm(twin, tokens, targets, mask, DOC_INDEX, N_DOCS)
+
+    n_total = int(mask.sum())
+    layouts = [[torch.tensor(mb) for mb in mbs] for mbs, _ in PASSES]
+    norms = MicroBatchNorms(model, DOC_INDEX, N_DOCS, layouts, method=method)
+    assert norms.split[:N_DOCS].tolist() == [True, False, True]
+    for mbs, width in PASSES:
+        width = width if variant == "dense" else N
+        norms.start_pass([torch.tensor(mb) for mb in mbs], width)
+        losses = []
+        for chunk, rows in enumerate(torch.tensor(mb) for mb in mbs):
+            take = rows.clamp_min(0)
+            m = mask[take, :width] & (rows >= 0)[:, None]
+            with norms.forward_of(chunk):
+                logits = model(tokens[take, :width])
+            losses.append(token_losses(logits, targets[take, :width], m).sum() / n_total)
+        for loss in reversed(losses):  # backwards in another order than the forwards, as 1F1B runs them
+            loss.backward()
+    n_d = torch.zeros(N_DOCS, dtype=torch.float64).index_add_(0, DOC_INDEX, mask.sum(1).double())
+    got = norms.finish().sqrt() * n_total / n_d
+
+    torch.testing.assert_close(got, want.grad_norm, rtol=1e-8, atol=0)
+    for name, p in model.named_parameters():  # the hooks leave the gradients alone
+        torch.testing.assert_close(p.grad, dict(twin.named_parameters())[name].grad, rtol=1e-10, atol=1e-13,
+                                   msg=name)
     assert_no_hooks(model)
 
 

@@ -87,6 +87,11 @@ each one's tokens zero-padded), and the squared norms, indexed by a document num
 the ep group, are all-reduced over it; each rank keeps its own documents'. A received ``g_t`` is
 the gradient of its source rank's loss, so the owner's rescaling applies to it unchanged.
 
+Pipeline parallelism (training.parallel.pipeline): the schedule runs the step's rows as micro-batches,
+stage by stage. :class:`MicroBatchNorms` gives each micro-batch hooks of its own; a document's rows in
+several micro-batches are measured together after the last backward (their cross terms), and the
+stages' squared norms add over the pp group (each parameter lives on one stage).
+
 Models with parameters this module cannot attribute (an unknown module type owning
 parameters, a parameter shared between modules) fall back, with a warning, to
 :func:`per_document_grad_norms_reference` (one more forward, and a backward per document).
@@ -113,6 +118,7 @@ from training.parallel.expert_parallel import EPDispatch, LocalExperts
 __all__ = [
     "DocumentStats",
     "LayerGrad",
+    "MicroBatchNorms",
     "LayerObserver",
     "per_document_grad_norms_functional",
     "per_document_grad_norms_reference",
@@ -658,6 +664,161 @@ def _ghost_norm_hooks(
         for h in ghost.handles:
             h.remove()
         ghost.handles.clear()
+
+
+# ------------------------------------------------------------------ pipeline parallel
+class _MicroBatchGhost(_GhostNorms):
+    """One micro-batch's hooks: the usual norms of its rows, and the rows of the step's split
+    documents (rows in more than one micro-batch) set aside for :class:`MicroBatchNorms`."""
+
+    def __init__(self, plan: _Plan, rows: _Rows, method: Method, split_rows: torch.Tensor, split: "_SplitRows"):
+        super().__init__(plan, rows, method)
+        self.split_rows, self.split = split_rows, split
+
+    def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
+        if not saved:
+            # A zero-bubble schedule's weight pass may run the node again: its g was seen already.
+            return
+        if saved["shard"] is not None or (saved["dispatch"] is not None
+                                          and isinstance(saved["dispatch"][0], EPDispatch)):
+            raise RuntimeError("per-document norms under pp: tensor- and expert-parallel layers are not supported")
+        with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
+            layer = self._layer(module, saved, g)
+            self.sq_norms += self._sq_norms(layer)
+            if self.split_rows.numel():
+                self.split.keep(layer, self.rows.row_doc, self.split_rows)
+        saved.clear()
+
+
+class _SplitRows:
+    """Every layer's operands on the rows of split documents, kept until the step's last
+    backward: a document's squared norm has cross terms between its rows, which only the
+    whole set of its rows gives. Memory: those rows' activations and output gradients."""
+
+    def __init__(self, n_docs: int):
+        self.n_docs = n_docs
+        self.layers: dict[nn.Module, list[tuple[LayerGrad, torch.Tensor]]] = {}
+
+    def keep(self, layer: LayerGrad, row_doc: torch.Tensor, rows: torch.Tensor) -> None:
+        if layer.kind == "rmsnorm":  # its norm needs only each row's summed per-token gradient
+            part = LayerGrad(layer.module, layer.kind, None, layer.g[rows].sum(1))
+        else:
+            part = LayerGrad(layer.module, layer.kind, layer.x[rows], layer.g[rows])
+        self.layers.setdefault(layer.module, []).append((part, row_doc[rows]))
+
+    def sq_norms(self, method: Method) -> torch.Tensor:
+        out = None
+        for module, parts in self.layers.items():
+            layer, docs = parts[0][0], torch.cat([d for _, d in parts])
+            if layer.kind == "rmsnorm":
+                g = torch.cat([p.g for p, _ in parts])
+                per_doc = g.new_zeros(self.n_docs, g.shape[1]).index_add_(0, docs, g)
+                norms = per_doc.pow(2).sum(1).double()
+            else:
+                # Rows of other passes may be narrower (trimmed) or hold fewer expert tokens:
+                # zero padding adds nothing to either form.
+                width = max(p.g.shape[1] for p, _ in parts)
+                x = torch.cat([_pad_positions(p.x, width) for p, _ in parts])
+                g = torch.cat([_pad_positions(p.g, width) for p, _ in parts])
+                rows = _Rows(docs, self.n_docs, width)
+                if layer.kind == "embedding":
+                    norms = _embedding_sq_norms(module, x, g, rows)
+                else:
+                    bias = module.bias is not None and module.bias.requires_grad
+                    norms = _linear_sq_norms(x, g, rows, module.weight.requires_grad, bias, method)
+            out = norms if out is None else out + norms
+        return out
+
+
+def _pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:])
+    return torch.cat([t, pad], 1)
+
+
+class MicroBatchNorms:
+    """Per-document squared gradient norms of this rank's layers when a pipeline schedule runs
+    the step's rows as micro-batches (training.parallel.pipeline), unscaled.
+
+    Why it is exact: each parameter lives on one stage, so a document's squared norm is the sum
+    of the stages' (all-reduced over the pp group by the caller). Within a stage a micro-batch is
+    a batch of its own for the hooks (its rows, its width); a document whose rows fall in several
+    micro-batches would lose the cross terms between them, so those rows are kept
+    (:class:`_SplitRows`) and measured together after the step's last backward. The schedule may
+    run forwards and backwards of different micro-batches in any order: each forward's hooks
+    belong to the micro-batch being forwarded (``forward_of``), and its output hooks write there.
+
+    The caller scales the result as the batch loss it backpropagated asks: a micro-batch's loss is
+    its token-loss sum over a step-wide count ``c``, so ``||grad L_d||^2 = sq * (c / (s * N_d))^2``
+    for a loss scale ``s``. Filler rows (``doc`` -1) belong to no document."""
+
+    def __init__(self, model: nn.Module, doc_index: torch.Tensor, n_docs: int,
+                 microbatches: Sequence[Sequence[torch.Tensor]], method: Method = "auto"):
+        """``microbatches``: for each pass of the step, each micro-batch's rows of the batch (-1 filler)."""
+        self.plan = _plan(model)
+        if self.plan.unsupported:
+            raise ValueError("per-document norms under pp cannot attribute the gradient of "
+                             + ", ".join(self.plan.unsupported))
+        self.n_docs, self.method = n_docs, method
+        self.doc_index = doc_index
+        # Slot n_docs collects the filler rows, which no document owns.
+        in_microbatches = torch.zeros(n_docs + 1, dtype=torch.long, device=doc_index.device)
+        for mbs in microbatches:
+            for rows in mbs:
+                in_microbatches[torch.unique(self._docs(rows))] += 1
+        self.split = in_microbatches > 1
+        self.split[n_docs] = False
+        self.kept = _SplitRows(n_docs + 1)
+        self.current: _MicroBatchGhost | None = None
+        self.handles = [m.register_forward_hook(self._forward_hook) for m in self.plan.kinds]
+        self._passes: list[list[_MicroBatchGhost]] = []
+
+    def _docs(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(self.doc_index.device)
+        return torch.where(rows >= 0, self.doc_index[rows.clamp_min(0)], self.n_docs)
+
+    def start_pass(self, microbatches: Sequence[torch.Tensor], width: int) -> None:
+        """The next pass's micro-batches (their rows of the batch, -1 filler), all ``width`` wide."""
+        ghosts = []
+        for rows in microbatches:
+            docs = self._docs(rows)
+            ghosts.append(_MicroBatchGhost(self.plan, _Rows(docs, self.n_docs + 1, width), self.method,
+                                           torch.nonzero(self.split[docs]).squeeze(1), self.kept))
+        self._passes.append(ghosts)
+
+    @contextmanager
+    def forward_of(self, chunk: int) -> Iterator[None]:
+        """The forwards inside belong to micro-batch ``chunk`` of the current pass."""
+        self.current = self._passes[-1][chunk]
+        try:
+            yield
+        finally:
+            self.current = None  # recomputation in a backward (checkpointing) is not captured
+
+    def _forward_hook(self, module: nn.Module, args: tuple, output) -> None:
+        if self.current is not None:
+            self.current._forward_hook(module, args, output)
+
+    def finish(self) -> torch.Tensor:
+        """After the step's last backward: (n_docs,) float64 squared norms over this rank's layers."""
+        self.close()
+        total = self.split.new_zeros(self.n_docs + 1, dtype=torch.float64)
+        for ghosts in self._passes:
+            for ghost in ghosts:
+                total += ghost.sq_norms
+        kept = self.kept.sq_norms(self.method)
+        if kept is not None:  # split documents: measured whole, not micro-batch by micro-batch
+            total = torch.where(self.split, kept, total)
+        self._passes.clear()
+        self.kept.layers.clear()
+        return total[: self.n_docs]
+
+    def close(self) -> None:
+        """Remove the hooks (``finish`` does; for a step that failed before it)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
 
 
 # ----------------------------------------------------------------------------- public API

@@ -384,7 +384,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 norms = par.telemetry_grad_norms(params.telemetry.grad_norms, local.has_documents)
                 if par.pipelined:  # pp: the schedule runs forward and backward over the stages
                     loss, doc_loss, doc_norm, doc_tokens = par.pipeline.step(batch, local.global_tokens,
-                                                                             scaler.get_scale())
+                                                                             scaler.get_scale(), norms)
                 else:
                     # fp16: the backward runs on the loss times the scaler's scale (get_scale() is 1 when disabled).
                     scale = local.loss_scale * scaler.get_scale()

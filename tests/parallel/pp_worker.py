@@ -2,7 +2,8 @@
 training steps of a tiny decoder on rows of unequal length, pipelined or in one process.
 
 Writes (from rank 0) the step losses, step 1's gradients, the final parameters, the per-document
-losses of every step and the pipeline's per-step plans, all gathered from the stages.
+losses (and with ``norms``, gradient norms) of every step and the pipeline's per-step plans, all
+gathered from the stages.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from training.trainer import forward_backward
 SEQ = 32
 
 
-def rows(n: int = 48, seed: int = 0) -> TokenRows:
-    """A length mix: a few full rows and many short ones, one document per row."""
+def rows(n: int = 48, seed: int = 0, docs: int | None = None) -> TokenRows:
+    """A length mix: a few full rows and many short ones, one document per row, or (``docs``)
+    row r in document r % docs, so that a batch holds several rows of each."""
     rng = np.random.default_rng(seed)
     lengths = np.where(rng.random(n) < 0.25, SEQ + 1, rng.integers(3, 10, n)).astype(np.int32)
     tokens = np.zeros((n, SEQ + 1), dtype=np.int32)
     for r, length in enumerate(lengths):
         tokens[r, :length] = rng.integers(1, 64, length)
-    return TokenRows(tokens, lengths, np.arange(n), [f"doc{r}" for r in range(n)], 0)
+    doc = np.arange(n) if docs is None else np.arange(n) % docs
+    return TokenRows(tokens, lengths, doc, [f"doc{d}" for d in range(int(doc.max()) + 1)], 0)
 
 
 def main(config: str, out: str) -> None:
@@ -40,7 +43,8 @@ def main(config: str, out: str) -> None:
                      max_seq_len=SEQ, **cfg.get("model", {}))
     model = Transformer(args)
     model.init_weights(seed=0)
-    data = rows()
+    data = rows(docs=cfg.get("docs"))
+    norms = "ghost" if cfg.get("norms") else "off"
     pipe = None
     if world.distributed:
         from torch.distributed.device_mesh import init_device_mesh
@@ -59,18 +63,20 @@ def main(config: str, out: str) -> None:
             pipe.scheduler.observe([Sample(s, m, w, 1e-6 * m * w, 2e-6 * m * w, 1e3 * m * w)
                                     for s in range(pipe.n_stages) for m, w in [(1, 16), (2, 32), (4, 32)]])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, doc_losses, plans, grads = [], {}, [], {}
+    losses, doc_losses, doc_norms, plans, grads = [], {}, {}, [], {}
     for step in range(cfg["steps"]):
         batch = make_batch(data, batch_rows(len(data), cfg["batch"], step, 0))
         if pipe is None:
-            loss, doc_loss, _, doc_tokens = forward_backward(model, batch, "off")
+            loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms)
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         else:
-            loss, doc_loss, _, doc_tokens = pipe.step(batch)
+            loss, doc_loss, doc_norm, doc_tokens = pipe.step(batch, grad_norms=norms)
             norm = pipe.clip_grad_norm(1.0)
             plans.append(list(pipe.last.plan))
         if pipe is None or pipe.has_last:
             doc_losses.update({f"{step}:{d}": float(v) for d, v in zip(batch.doc_ids, doc_loss)})
+        if doc_norm is not None:  # under pp on every rank: rank 0's are written
+            doc_norms.update({f"{step}:{d}": float(v) for d, v in zip(batch.doc_ids, doc_norm)})
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         losses.append((float(loss), norm))
@@ -85,7 +91,7 @@ def main(config: str, out: str) -> None:
         doc_losses = {k: v for _, _, d in parts for k, v in d.items()}
     if world.is_main:
         torch.save({"losses": losses, "grads": grads, "params": state, "doc_losses": doc_losses,
-                    "plans": plans}, out)
+                    "doc_norms": doc_norms, "plans": plans}, out)
     shutdown()
 
 

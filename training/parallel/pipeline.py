@@ -16,7 +16,9 @@ Exactness. Rows are documents' rows of unequal length with a loss mask, so a mic
 loss is its token-loss *sum* over the step's global token count, and the schedule does not
 rescale gradients (``scale_grads=False``): their sum over micro-batches is the
 single-process batch mean's gradient, whatever the micro-batches hold. Per-document loss
-sums and token counts are added up on the last stage. Stages are given their input and
+sums and token counts are added up on the last stage; per-document gradient norms
+(training.grad_norms.MicroBatchNorms, hooked into each stage's forward) add their squares over
+the stages. Stages are given their input and
 output shapes (static metadata), so torch runs no shape-inference forward: that would
 add phantom tokens to MoE routing counts.
 
@@ -58,6 +60,7 @@ the bytes autograd saved for backward; the dynamic scheduler plans the next step
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections import OrderedDict
@@ -80,7 +83,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from assay.errors import AssayError
 from training.data import Batch
-from training.grad_norms import token_losses
+from training.grad_norms import MicroBatchNorms, token_losses
 from training.moe import MoE
 from training.parallel.microbatch import MicroBatchScheduler, Pass, Plan, Sample, static_plan
 
@@ -221,6 +224,8 @@ class _MeteredStage(PipelineStage):
         self.last_chunk = 0
         #: Per micro-batch of the current pass, which of its rows are fillers (only those with some).
         self.filler_rows: dict[int, torch.Tensor] = {}
+        #: The step's per-document gradient norms (training.grad_norms.MicroBatchNorms), when measured.
+        self.norms = None
 
     def reset_meter(self) -> None:
         self.forward_s, self.backward_s, self.saved = {}, {}, {}
@@ -243,7 +248,8 @@ class _MeteredStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         start = time.perf_counter()
-        with self.counting(fwd_chunk_id):
+        with self.counting(fwd_chunk_id), \
+                (self.norms.forward_of(fwd_chunk_id) if self.norms is not None else contextlib.nullcontext()):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if fwd_chunk_id in self.filler_rows:
             _uncount_fillers(self.submod, self.filler_rows[fwd_chunk_id])
@@ -571,13 +577,14 @@ class Pipeline:
         plans = self.scheduler.plan_together(everyone, baselines)
         return static if plans is None else plans[dist.get_rank(self.dp_group)]
 
-    def step(self, batch: Batch, global_tokens: int | None = None, loss_scale: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+    def step(self, batch: Batch, global_tokens: int | None = None, loss_scale: float = 1.0, grad_norms: str = "off"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Forward and backward of ``batch`` over the pipeline; returns (its token-loss sum over
         ``global_tokens``, the step's target tokens over all dp ranks (default: ``batch``'s), on
-        every rank of the pp group; per-document losses, None, per-document tokens); the last two
-        are this step's on the last stage's rank only (zeros elsewhere). The backward runs on the
-        loss times ``loss_scale`` (fp16's dynamic loss scale; the returned loss is unscaled)."""
+        every rank of the pp group; per-document losses, gradient norms, tokens); the losses and
+        tokens are this step's on the last stage's rank only (zeros elsewhere), the norms (with
+        ``grad_norms="ghost"``; None when "off") on every rank of the pp group. The backward runs on
+        the loss times ``loss_scale`` (fp16's dynamic loss scale; the returned loss is unscaled)."""
         if batch.tokens.shape[1] != self.width:  # cp: this rank's positions of each row
             raise AssayError(f"pipeline: batch width {batch.tokens.shape[1]} != {self.width} (seq_len {self.seq_len}, "
                              f"cp {self.cp})")
@@ -589,6 +596,18 @@ class Pipeline:
                      "doc_tokens": torch.zeros(n_docs, dtype=torch.long, device=self.device),
                      "global_tokens": float(global_tokens) / self.replicas, "loss_scale": loss_scale, "loss_s": 0.0}
         plan = self.plan_for(batch)
+        norms = None
+        if grad_norms == "ghost":
+            layouts = [[torch.tensor(mb, dtype=torch.long) for mb in p.microbatches] for p in plan.passes]
+            norms = MicroBatchNorms(self.model, batch.doc_index.to(self.device), n_docs, layouts)
+        try:
+            return self._step(batch, plan, norms, loss_scale)
+        finally:
+            if norms is not None:
+                norms.close()
+
+    def _step(self, batch: Batch, plan: Plan, norms: MicroBatchNorms | None, loss_scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         samples, walls, losses_all = [], [], []
         busy, padded = 0.0, 0
         self.live.now = self.live.peak = 0.0
@@ -602,9 +621,12 @@ class Pipeline:
             mask = batch.loss_mask[take, :p.width] & ~filler[:, None]
             doc = batch.doc_index[take][:, None].expand(-1, p.width)
             packed = torch.stack([batch.targets[take, :p.width], mask.long(), doc], dim=-1)
+            if norms is not None:
+                norms.start_pass([torch.tensor(mb, dtype=torch.long) for mb in p.microbatches], p.width)
             for s in stages:
                 s.reset_meter()
                 s.filler_rows = _filler_rows(p)
+                s.norms = norms
             self._acc["loss_s"] = 0.0
             losses: list[torch.Tensor] = []
             args = (tokens.to(self.device),) if 0 in self.local else ()
@@ -641,7 +663,20 @@ class Pipeline:
         self.last = StepStats(sum(pass_walls), [g[2] for g in gathered], peak, padded,
                               tuple(p.shape for p in plan.passes))
         doc_loss = self._acc["doc_sum"] / self._acc["doc_tokens"].clamp_min(1)
-        return loss, doc_loss, None, self._acc["doc_tokens"]
+        return loss, doc_loss, self._document_norms(batch, norms, loss_scale), self._acc["doc_tokens"]
+
+    def _document_norms(self, batch: Batch, norms: MicroBatchNorms | None, loss_scale: float) -> torch.Tensor | None:
+        """Each document's gradient norm: the stages hold disjoint parameters, so the squares add
+        over the pp group. A micro-batch's loss is its token-loss sum over ``global_tokens / replicas``
+        (times the loss scale): the output gradients the hooks saw, rescaled to the document's mean."""
+        if norms is None:
+            return None
+        squares = norms.finish()
+        dist.all_reduce(squares, group=self.group)
+        doc_tokens = torch.zeros(len(batch.doc_ids), dtype=torch.long, device=self.device).index_add_(
+            0, batch.doc_index.to(self.device), batch.loss_mask.to(self.device).sum(1))
+        scale = self._acc["global_tokens"] / (loss_scale * doc_tokens.double())
+        return (squares * scale**2).sqrt().masked_fill(doc_tokens == 0, float("nan"))
 
     # ------------------------------------------------------------------ the rest
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -34,11 +34,13 @@ from training.precision import loss_scaler, scales_loss
 
 __all__ = ["Parallel", "grad_norms_setting"]
 
-#: Why per-document gradient norms cannot be exact under a mode: its ranks hold parts of one
-#: document's gradient whose norms do not add. Per-document losses stay exact under all of them.
+#: Why per-document gradient norms are not measured under a layout. Per-document losses stay
+#: exact under all of them.
 _NORMS_OFF = {
-    "pp": "each pipeline stage holds only part of a document's gradient",
     "cp": "a document's gradient is summed over the cp ranks' parts of its rows, and ghost norms are per rank",
+    "tp+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take tensor-parallel shards",
+    "ep+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take experts that serve "
+             "other ranks' micro-batches",
 }
 
 
@@ -290,7 +292,8 @@ class Parallel:
         documents or (``has_documents=False``) with the placeholder row."""
         if not self.on:
             return setting
-        mode = "pp" if self.pipelined else "cp" if self.dims.cp > 1 else None
+        mode = ("cp" if self.dims.cp > 1 else "tp+pp" if self.pipelined and self.dims.tp > 1
+                else "ep+pp" if self.pipelined and self.dims.ep > 1 else None)
         setting = grad_norms_setting(setting, mode, warn=self.world.is_main)
         # Nothing of its own to attribute; but under ep its experts serve the group's documents,
         # and every rank of the group must join the norms' collectives.
