@@ -253,7 +253,8 @@ def test_moe_without_expert_parallel_matches_one_process(workspace, tmp_path, la
     (checked again with the join removed: it still does); DDP, and CP over DDP, stopped with "Expected
     to have finished reduction in the prior iteration" (their reducer wants every parameter's gradient).
     Against one process: 5 steps' losses (rtol 1e-5), the final parameters with every expert and the
-    balancing bias (atol 2e-5)."""
+    balancing bias (atol 2e-5), each document's loss (rtol 1e-5) and ghost gradient norm (rtol 1e-4, as
+    for the dense model; under cp an expert with no rows here still takes part in the norms' sums)."""
     root, data, _, _ = workspace
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump({"train": {**TINY, "model": MANY_EXPERTS}}))
@@ -267,6 +268,10 @@ def test_moe_without_expert_parallel_matches_one_process(workspace, tmp_path, la
     assert any(name.endswith("experts.63.w1.weight") for name in theirs)
     for name, value in theirs.items():
         torch.testing.assert_close(mine[name], value, rtol=1e-4, atol=2e-5, msg=name)
+    tel, ref_tel = _telemetry(run), _telemetry(single)
+    assert tel.keys() == ref_tel.keys()  # every document of every step, once
+    for key, (loss, norm) in ref_tel.items():
+        assert tel[key][0] == pytest.approx(loss, rel=1e-5) and tel[key][1] == pytest.approx(norm, rel=1e-4), key
 
 
 EVERY_MODE = [

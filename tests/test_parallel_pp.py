@@ -266,7 +266,7 @@ def test_ghost_norms_are_switched_off_under_tp_or_ep_times_pp_with_a_warning():
 def _norms_off(layout: dict) -> str | None:
     """The layout whose per-document gradient norms are off under pp (training.parallel.setup), or None."""
     if layout.get("cp", 1) > 1:
-        return "cp"
+        return "cp+pp"
     return "tp+pp" if layout.get("tp", 1) > 1 else "ep+pp" if layout.get("ep", 1) > 1 else None
 
 

@@ -440,6 +440,56 @@ def _ep_group(model: nn.Module) -> dist.ProcessGroup | None:
     return groups.pop() if groups else None
 
 
+# ------------------------------------------------------------------ context parallel
+def _context_sq_norms(layer: LayerGrad, rows: _Rows, group: dist.ProcessGroup) -> torch.Tensor:
+    """Context parallel: every rank holds some positions of every row (the same rows, documents
+    and layers on each), so a document's gradient is the sum over the group of each rank's part,
+    and its norm is not a sum of the ranks' norms. Each part is a per-document sum of per-token
+    terms, so the parts are added with an all-reduce and squared after: a Linear's weight part
+    materialised per document (``(d_out, d_in)`` each, in chunks of documents; the ghost form's
+    cross terms would need the other ranks' activations), an RMSNorm's and a bias's vectors. An
+    embedding's part is sparse (its rows by token), so its token ids and output gradients are
+    gathered instead (one activation's worth). Every rank ends with the same squared norms.
+
+    The hooks fire in the same order on every rank (an expert routed anywhere in the group runs on
+    every rank, on no rows where this rank has none: ``data_parallel.join_experts_routed_in_group``),
+    so the collectives pair up."""
+    module = layer.module
+    if layer.kind == "embedding":
+        return _embedding_sq_norms(module, _gather_positions(layer.x, group), _gather_positions(layer.g, group), rows)
+    if layer.kind == "rmsnorm":
+        return _summed_squares(_per_document(layer.g.sum(1), rows), group)
+    a, g = layer.x, layer.g
+    out = torch.zeros(rows.n_docs, dtype=torch.float64, device=g.device)
+    if module.bias is not None and module.bias.requires_grad:
+        out += _summed_squares(_per_document(g.sum(1), rows), group)
+    if module.weight.requires_grad:
+        d_in, d_out = a.shape[-1], g.shape[-1]
+        for chunk_rows, local_doc, docs in rows.doc_chunks(max(1, _CHUNK_ELEMENTS // (d_in * d_out))):
+            per_row = torch.bmm(g[chunk_rows].mT, a[chunk_rows])
+            per_doc = per_row.new_zeros(len(docs), d_out, d_in).index_add_(0, local_doc, per_row)
+            dist.all_reduce(per_doc, group=group)
+            out.index_add_(0, docs, per_doc.pow(2).sum((1, 2)).double())
+    return out
+
+
+def _per_document(per_row: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    return per_row.new_zeros(rows.n_docs, per_row.shape[1]).index_add_(0, rows.row_doc, per_row)
+
+
+def _summed_squares(part: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(n_docs, k) parts summed over the group, then each document's squared norm."""
+    dist.all_reduce(part, group=group)
+    return part.pow(2).sum(1).double()
+
+
+def _gather_positions(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(rows, n, ...) from every rank of the group, laid side by side: (rows, n·cp, ...)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, 1)
+
+
 # ----------------------------------------------------------------------------- hooks
 @dataclass
 class _Plan:
@@ -518,6 +568,8 @@ class _GhostNorms:
         self.mesh = None
         #: Expert parallel: the norms this rank's experts add to the ep group's documents.
         self.ep_docs: _EPDocuments | None = None
+        #: Context parallel: the group whose ranks hold the other positions of these rows.
+        self.context: dist.ProcessGroup | None = None
 
     def _forward_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if not self.capturing:
@@ -562,7 +614,9 @@ class _GhostNorms:
                 return
             layer = self._layer(module, saved, g)
             shard = saved["shard"]
-            if shard is None:
+            if self.context is not None:
+                self.sq_norms += _context_sq_norms(layer, self.rows, self.context)
+            elif shard is None:
                 self.sq_norms += self._sq_norms(layer)
             else:
                 self.mesh = shard.mesh
@@ -834,6 +888,7 @@ def per_document_loss_and_grad_norm(
     method: Method = "auto",
     observers: Sequence[LayerObserver] = (),
     weight_grads: bool = True,
+    context: dist.ProcessGroup | None = None,
 ) -> DocumentStats:
     """One forward and one backward of the batch loss, plus every document's loss and
     ``||grad L_d||``.
@@ -847,21 +902,29 @@ def per_document_loss_and_grad_norm(
     module cannot attribute raises ``ValueError`` instead of falling back).
     ``weight_grads=False`` leaves ``.grad`` alone and skips the weight-gradient products (about
     a third of a backward): the per-document quantities need only the activation gradients.
+
+    ``context``: the context-parallel group, whose ranks hold the other positions of these rows
+    (training.parallel.context_parallel). Each rank then passes its own positions, and its
+    ``loss_scale`` makes ``loss_scale / its target tokens`` the same on every rank (0 on a rank
+    without target tokens, which still runs: its keys serve the others' attention). The norms are
+    the whole documents', the same on every rank; the losses and tokens stay this rank's part.
     """
     _check_batch(tokens, targets, loss_mask, doc_index, n_docs)
-    if loss_scale <= 0:
+    if loss_scale < 0 or (loss_scale == 0 and context is None):
         raise ValueError("loss_scale must be > 0")
     mask = loss_mask.bool()
     doc_tokens = _doc_tokens(mask, doc_index, n_docs)
     n_total = int(doc_tokens.sum())
     ep_group = _ep_group(model)
-    if n_total == 0 and ep_group is None:
+    if n_total == 0 and ep_group is None and context is None:
         # Under ep a rank without target tokens still runs: its experts serve the group's documents.
         raise ValueError("the batch has no unmasked token")
+    if context is not None and (observers or ep_group is not None):
+        raise ValueError("per-document norms under cp take no per-layer observers and no expert parallelism")
 
     plan = _plan(model)
-    if plan.unsupported and observers:
-        raise ValueError("per-layer observers need ghost norms, which cannot attribute the gradient of "
+    if plan.unsupported and (observers or context is not None):
+        raise ValueError("per-layer observers and cp need ghost norms, which cannot attribute the gradient of "
                          + ", ".join(plan.unsupported))
     if plan.unsupported:
         warnings.warn(
@@ -881,6 +944,7 @@ def per_document_loss_and_grad_norm(
     with _ghost_norm_hooks(plan, rows, method, observers) as ghost:
         if ep_group is not None:
             ghost.ep_docs = _EPDocuments(rows, ep_group)
+        ghost.context = context
         logits = model(tokens)
         ghost.capturing = False
         token_loss = token_losses(logits, targets, mask)
@@ -899,11 +963,20 @@ def per_document_loss_and_grad_norm(
     doc_loss_sum = torch.zeros(n_docs, dtype=torch.float64, device=tokens.device)
     doc_loss_sum.index_add_(0, doc_index, token_loss.detach().sum(1).double())
     n_d = doc_tokens.double()
-    scale = n_total / (n_d * loss_scale)  # g_t -> dL_d/dz_t (inf for empty documents ...)
+    token_scale = torch.tensor(loss_scale / max(n_total, 1), dtype=torch.float64, device=tokens.device)
+    whole_doc_tokens = doc_tokens
+    if context is not None:  # the whole rows': a rank without target tokens learns the scale from the others
+        dist.all_reduce(token_scale, op=dist.ReduceOp.MAX, group=context)
+        whole_doc_tokens = doc_tokens.clone()
+        dist.all_reduce(whole_doc_tokens, group=context)
+    # The backward ran on token_scale · (sum of token losses): g_t -> dL_d/dz_t (inf for empty documents ...)
+    scale = 1 / (token_scale * whole_doc_tokens.double())
     grad_norm = (sq_norms * scale**2).sqrt()
-    empty = doc_tokens == 0  # ... which have no loss, hence no gradient: report NaN
+    empty = whole_doc_tokens == 0  # ... which have no loss, hence no gradient: report NaN
+    # cp: a document without target tokens on this rank has 0 here (its part of the group's sum).
+    doc_mean = doc_loss_sum / n_d.clamp_min(1) if context is not None else doc_loss_sum / n_d
     return DocumentStats(
-        loss=(doc_loss_sum / n_d).masked_fill(empty, float("nan")),
+        loss=doc_mean.masked_fill(empty, float("nan")),
         grad_norm=grad_norm.masked_fill(empty, float("nan")),
         tokens=doc_tokens,
         batch_loss=loss.detach(),

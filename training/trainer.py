@@ -168,13 +168,14 @@ def per_document_losses(logits: torch.Tensor, targets: torch.Tensor, loss_mask: 
     return batch_loss, doc_sum / doc_tokens.clamp_min(1), doc_tokens
 
 
-def forward_backward(model: Transformer, batch, grad_norms: str, loss_scale: float = 1.0):
+def forward_backward(model: Transformer, batch, grad_norms: str, loss_scale: float = 1.0, context=None):
     """Run one forward and backward of ``batch loss * loss_scale``; returns (batch loss,
-    doc losses, doc grad norms or None, doc tokens), none of them scaled."""
+    doc losses, doc grad norms or None, doc tokens), none of them scaled. ``context``: the
+    context-parallel group, when ``batch`` holds this rank's positions of its rows."""
     n_docs = len(batch.doc_ids)
     if grad_norms == "ghost":
         stats = per_document_loss_and_grad_norm(model, batch.tokens, batch.targets, batch.loss_mask,
-                                                batch.doc_index, n_docs, loss_scale=loss_scale)
+                                                batch.doc_index, n_docs, loss_scale=loss_scale, context=context)
         return stats.batch_loss.detach(), stats.loss.detach(), stats.grad_norm.detach(), stats.tokens
     logits = model(batch.tokens)
     loss, doc_loss, doc_tokens = per_document_losses(logits, batch.targets, batch.loss_mask, batch.doc_index, n_docs)
@@ -388,7 +389,8 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
                 else:
                     # fp16: the backward runs on the loss times the scaler's scale (get_scale() is 1 when disabled).
                     scale = local.loss_scale * scaler.get_scale()
-                    loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, scale)
+                    loss, doc_loss, doc_norm, doc_tokens = forward_backward(model, batch, norms, scale,
+                                                                            par.context_group)
             doc_loss, doc_tokens = par.document_losses(doc_loss, doc_tokens)
             loss = par.global_loss(loss, batch.n_tokens, local.global_tokens)
             par.sum_moe_loads(model, local.has_documents)

@@ -38,8 +38,8 @@ loss mask split the same way). Gradients are averaged over dp × cp ranks togeth
 FSDP2 over the flattened mesh, :func:`apply_context_parallel`), so each rank scales its loss
 by ``dp × cp × local target tokens / global target tokens``; the batch loss and the
 per-document losses are sums over the ranks (:meth:`ContextParallel.document_stats`), written
-by cp rank 0. Ghost gradient norms are switched off under cp, with a warning: a document's
-gradient is a sum over ranks of per-token terms, and its norm is not a sum of per-rank norms.
+by cp rank 0. Ghost gradient norms add each document's per-layer parts over the cp ranks
+before squaring (``training.grad_norms``): its norm is not a sum of per-rank norms.
 Under pp, :func:`context_parallel` installs the kernels on the stages' layers and
 ``training.parallel.pipeline`` wraps each stage over dp × cp.
 """

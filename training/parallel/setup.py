@@ -37,7 +37,7 @@ __all__ = ["Parallel", "grad_norms_setting"]
 #: Why per-document gradient norms are not measured under a layout. Per-document losses stay
 #: exact under all of them.
 _NORMS_OFF = {
-    "cp": "a document's gradient is summed over the cp ranks' parts of its rows, and ghost norms are per rank",
+    "cp+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not add parts of rows over cp ranks",
     "tp+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take tensor-parallel shards",
     "ep+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take experts that serve "
              "other ranks' micro-batches",
@@ -287,13 +287,19 @@ class Parallel:
             return count_parameters(model)
         return sum(p.numel() for p in model.parameters())
 
+    @property
+    def context_group(self) -> dist.ProcessGroup | None:
+        """Without pp, the cp group whose ranks hold the other positions of this rank's rows."""
+        return self.context.group if self.on and self.dims.cp > 1 and not self.pipelined else None
+
     def telemetry_grad_norms(self, setting: str, has_documents: bool = True) -> str:
         """The per-document gradient norm setting this layout can honour exactly, on a rank with
         documents or (``has_documents=False``) with the placeholder row."""
         if not self.on:
             return setting
-        mode = ("cp" if self.dims.cp > 1 else "tp+pp" if self.pipelined and self.dims.tp > 1
-                else "ep+pp" if self.pipelined and self.dims.ep > 1 else None)
+        mode = None
+        if self.pipelined:
+            mode = "cp+pp" if self.dims.cp > 1 else "tp+pp" if self.dims.tp > 1 else "ep+pp" if self.dims.ep > 1 else None
         setting = grad_norms_setting(setting, mode, warn=self.world.is_main)
         # Nothing of its own to attribute; but under ep its experts serve the group's documents,
         # and every rank of the group must join the norms' collectives.
