@@ -247,27 +247,23 @@ def test_pipeline_layouts_that_cannot_run_are_refused():
     check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), params)
 
 
-def test_ghost_norms_are_switched_off_under_tp_or_ep_times_pp_with_a_warning():
+def test_ghost_norms_are_switched_off_under_ep_times_pp_with_a_warning():
     from training.parallel.setup import grad_norms_setting
 
-    with pytest.warns(UserWarning, match="tp\\+pp: per-document gradient norms are off"):
-        assert grad_norms_setting("ghost", "tp+pp") == "off"
     with pytest.warns(UserWarning, match="ep\\+pp: per-document gradient norms are off"):
         assert grad_norms_setting("ghost", "ep+pp") == "off"
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert grad_norms_setting("off", "tp+pp") == "off"
-        assert grad_norms_setting("ghost", "tp+pp", warn=False) == "off"  # said once, by rank 0
+        assert grad_norms_setting("off", "ep+pp") == "off"
+        assert grad_norms_setting("ghost", "ep+pp", warn=False) == "off"  # said once, by rank 0
         assert grad_norms_setting("ghost", None) == "ghost"  # a layout where they stay exact (pp alone too)
 
 
 def _norms_off(layout: dict) -> str | None:
     """The layout whose per-document gradient norms are off under pp (training.parallel.setup), or None."""
-    if layout.get("cp", 1) > 1:
-        return "cp+pp"
-    return "tp+pp" if layout.get("tp", 1) > 1 else "ep+pp" if layout.get("ep", 1) > 1 else None
+    return "ep+pp" if layout.get("ep", 1) > 1 else None
 
 
 # --------------------------------------------------------- real multi-process runs

@@ -613,18 +613,21 @@ class _GhostNorms:
                 saved.clear()
                 return
             layer = self._layer(module, saved, g)
-            shard = saved["shard"]
-            if self.context is not None:
-                self.sq_norms += _context_sq_norms(layer, self.rows, self.context)
-            elif shard is None:
-                self.sq_norms += self._sq_norms(layer)
-            else:
-                self.mesh = shard.mesh
-                if shard.counted_here:
-                    self.sq_norms += self._sq_norms(layer, shard)
+            self._add(layer, saved["shard"])
             for observe in self.observers:
                 observe(layer, self.rows)
         saved.clear()  # free the input now rather than at the end of the step
+
+    def _add(self, layer: LayerGrad, shard: _Shard | None) -> None:
+        """Add a layer's per-document squared norms (of this rank's shard, under tp)."""
+        if self.context is not None:
+            self.sq_norms += _context_sq_norms(layer, self.rows, self.context)
+        elif shard is None:
+            self.sq_norms += self._sq_norms(layer)
+        else:
+            self.mesh = shard.mesh
+            if shard.counted_here:
+                self.sq_norms += self._sq_norms(layer, shard)
 
     def _on_expert_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         """Expert parallel: this expert's rows may come from any rank of the ep group."""
@@ -725,62 +728,61 @@ class _MicroBatchGhost(_GhostNorms):
     """One micro-batch's hooks: the usual norms of its rows, and the rows of the step's split
     documents (rows in more than one micro-batch) set aside for :class:`MicroBatchNorms`."""
 
-    def __init__(self, plan: _Plan, rows: _Rows, method: Method, split_rows: torch.Tensor, split: "_SplitRows"):
+    def __init__(self, plan: _Plan, rows: _Rows, method: Method, split_rows: torch.Tensor, split: "_SplitRows",
+                 context: dist.ProcessGroup | None):
         super().__init__(plan, rows, method)
-        self.split_rows, self.split = split_rows, split
+        self.split_rows, self.split, self.context = split_rows, split, context
 
     def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         if not saved:
             # A zero-bubble schedule's weight pass may run the node again: its g was seen already.
             return
-        if saved["shard"] is not None or (saved["dispatch"] is not None
-                                          and isinstance(saved["dispatch"][0], EPDispatch)):
-            raise RuntimeError("per-document norms under pp: tensor- and expert-parallel layers are not supported")
+        if saved["dispatch"] is not None and isinstance(saved["dispatch"][0], EPDispatch):
+            raise RuntimeError("per-document norms under pp: expert-parallel layers are not supported")
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
             layer = self._layer(module, saved, g)
-            self.sq_norms += self._sq_norms(layer)
+            self._add(layer, saved["shard"])
             if self.split_rows.numel():
-                self.split.keep(layer, self.rows.row_doc, self.split_rows)
+                self.split.keep(layer, self.rows.row_doc, self.split_rows, saved["shard"])
         saved.clear()
 
 
 class _SplitRows:
     """Every layer's operands on the rows of split documents, kept until the step's last
     backward: a document's squared norm has cross terms between its rows, which only the
-    whole set of its rows gives. Memory: those rows' activations and output gradients."""
+    whole set of its rows gives. Memory: those rows' activations and output gradients (under
+    tp, of this rank's shard)."""
 
     def __init__(self, n_docs: int):
         self.n_docs = n_docs
         self.layers: dict[nn.Module, list[tuple[LayerGrad, torch.Tensor]]] = {}
+        self.shards: dict[nn.Module, _Shard | None] = {}
 
-    def keep(self, layer: LayerGrad, row_doc: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, layer: LayerGrad, row_doc: torch.Tensor, rows: torch.Tensor, shard: _Shard | None) -> None:
         if layer.kind == "rmsnorm":  # its norm needs only each row's summed per-token gradient
-            part = LayerGrad(layer.module, layer.kind, None, layer.g[rows].sum(1))
+            part = LayerGrad(layer.module, layer.kind, None, layer.g[rows].sum(1, keepdim=True))
         else:
             part = LayerGrad(layer.module, layer.kind, layer.x[rows], layer.g[rows])
         self.layers.setdefault(layer.module, []).append((part, row_doc[rows]))
+        self.shards[layer.module] = shard
 
-    def sq_norms(self, method: Method) -> torch.Tensor:
+    def sq_norms(self, plan: _Plan, method: Method, context: dist.ProcessGroup | None) -> torch.Tensor | None:
+        """Every kept document's squared norms over the layers (this rank's shards under tp; summed
+        over cp), from all its rows at once: the same formulas as one batch of those rows. Called on
+        every rank in the same layer order (cp and tp ranks run the same layers on the same rows)."""
         out = None
         for module, parts in self.layers.items():
-            layer, docs = parts[0][0], torch.cat([d for _, d in parts])
-            if layer.kind == "rmsnorm":
-                g = torch.cat([p.g for p, _ in parts])
-                per_doc = g.new_zeros(self.n_docs, g.shape[1]).index_add_(0, docs, g)
-                norms = per_doc.pow(2).sum(1).double()
-            else:
-                # Rows of other passes may be narrower (trimmed) or hold fewer expert tokens:
-                # zero padding adds nothing to either form.
-                width = max(p.g.shape[1] for p, _ in parts)
-                x = torch.cat([_pad_positions(p.x, width) for p, _ in parts])
-                g = torch.cat([_pad_positions(p.g, width) for p, _ in parts])
-                rows = _Rows(docs, self.n_docs, width)
-                if layer.kind == "embedding":
-                    norms = _embedding_sq_norms(module, x, g, rows)
-                else:
-                    bias = module.bias is not None and module.bias.requires_grad
-                    norms = _linear_sq_norms(x, g, rows, module.weight.requires_grad, bias, method)
-            out = norms if out is None else out + norms
+            kind = parts[0][0].kind
+            docs = torch.cat([d for _, d in parts])
+            # Rows of other passes may be narrower (trimmed) or hold fewer expert tokens: zero
+            # padding adds nothing to any form.
+            width = max(p.g.shape[1] for p, _ in parts)
+            x = None if kind == "rmsnorm" else torch.cat([_pad_positions(p.x, width) for p, _ in parts])
+            g = torch.cat([_pad_positions(p.g, width) for p, _ in parts])
+            ghost = _GhostNorms(plan, _Rows(docs, self.n_docs, width), method)
+            ghost.context = context
+            ghost._add(LayerGrad(module, kind, x, g), self.shards[module])
+            out = ghost.sq_norms if out is None else out + ghost.sq_norms
         return out
 
 
@@ -803,18 +805,25 @@ class MicroBatchNorms:
     run forwards and backwards of different micro-batches in any order: each forward's hooks
     belong to the micro-batch being forwarded (``forward_of``), and its output hooks write there.
 
+    Under tp each rank adds its shards' squares (as one batch does) and the result is summed over the
+    tp mesh here; under cp (``context``) each layer's per-document parts are summed over the cp
+    ranks before squaring, and every cp rank returns the same whole-row result.
+
     The caller scales the result as the batch loss it backpropagated asks: a micro-batch's loss is
     its token-loss sum over a step-wide count ``c``, so ``||grad L_d||^2 = sq * (c / (s * N_d))^2``
-    for a loss scale ``s``. Filler rows (``doc`` -1) belong to no document."""
+    for a loss scale ``s`` (``N_d``: the whole rows' target tokens). Filler rows (``doc`` -1)
+    belong to no document."""
 
     def __init__(self, model: nn.Module, doc_index: torch.Tensor, n_docs: int,
-                 microbatches: Sequence[Sequence[torch.Tensor]], method: Method = "auto"):
-        """``microbatches``: for each pass of the step, each micro-batch's rows of the batch (-1 filler)."""
+                 microbatches: Sequence[Sequence[torch.Tensor]], method: Method = "auto",
+                 context: dist.ProcessGroup | None = None):
+        """``microbatches``: for each pass of the step, each micro-batch's rows of the batch (-1 filler);
+        ``context``: the cp group whose ranks hold the other positions of these rows."""
         self.plan = _plan(model)
         if self.plan.unsupported:
             raise ValueError("per-document norms under pp cannot attribute the gradient of "
                              + ", ".join(self.plan.unsupported))
-        self.n_docs, self.method = n_docs, method
+        self.n_docs, self.method, self.context = n_docs, method, context
         self.doc_index = doc_index
         # Slot n_docs collects the filler rows, which no document owns.
         in_microbatches = torch.zeros(n_docs + 1, dtype=torch.long, device=doc_index.device)
@@ -825,7 +834,8 @@ class MicroBatchNorms:
         self.split[n_docs] = False
         self.kept = _SplitRows(n_docs + 1)
         self.current: _MicroBatchGhost | None = None
-        self.handles = [m.register_forward_hook(self._forward_hook) for m in self.plan.kinds]
+        # prepend: under tp, see each module's own DTensor output before the plan's hook makes it local.
+        self.handles = [m.register_forward_hook(self._forward_hook, prepend=True) for m in self.plan.kinds]
         self._passes: list[list[_MicroBatchGhost]] = []
 
     def _docs(self, rows: torch.Tensor) -> torch.Tensor:
@@ -838,7 +848,7 @@ class MicroBatchNorms:
         for rows in microbatches:
             docs = self._docs(rows)
             ghosts.append(_MicroBatchGhost(self.plan, _Rows(docs, self.n_docs + 1, width), self.method,
-                                           torch.nonzero(self.split[docs]).squeeze(1), self.kept))
+                                           torch.nonzero(self.split[docs]).squeeze(1), self.kept, self.context))
         self._passes.append(ghosts)
 
     @contextmanager
@@ -858,14 +868,21 @@ class MicroBatchNorms:
         """After the step's last backward: (n_docs,) float64 squared norms over this rank's layers."""
         self.close()
         total = self.split.new_zeros(self.n_docs + 1, dtype=torch.float64)
+        meshes = set()
         for ghosts in self._passes:
             for ghost in ghosts:
                 total += ghost.sq_norms
-        kept = self.kept.sq_norms(self.method)
+                meshes.add(ghost.mesh)
+        kept = self.kept.sq_norms(self.plan, self.method, self.context)
         if kept is not None:  # split documents: measured whole, not micro-batch by micro-batch
             total = torch.where(self.split, kept, total)
+        meshes.discard(None)
+        if meshes:  # tensor parallel: each rank added the squares of its shards
+            (mesh,) = meshes
+            dist.all_reduce(total, group=mesh.get_group())
         self._passes.clear()
         self.kept.layers.clear()
+        self.kept.shards.clear()
         return total[: self.n_docs]
 
     def close(self) -> None:

@@ -385,8 +385,9 @@ class Pipeline:
         # ... and with cp too: the ranks of a stage that hold different tokens of the step (dp × cp),
         # whose loss sums add up and over which the wrappers average gradients (``replicas`` of them).
         self.batch_group, self.replicas = None, 1
-        # CP × PP (apply_context_parallel): a training pass holds width / cp positions of each row.
-        self.cp, self.width = 1, seq_len
+        # CP × PP (apply_context_parallel): a training pass holds width / cp positions of each row,
+        # the other positions are on the ranks of ``cp_group``.
+        self.cp, self.width, self.cp_group = 1, seq_len, None
         # TP × PP (apply_tensor_parallel): the residual stream between stages is split along the
         # sequence over tp ranks (sequence parallel), so a stage boundary carries width / tp positions.
         self.tp = 1
@@ -418,7 +419,7 @@ class Pipeline:
         and receives. The cp kernels are installed on the shared layers already
         (``context_parallel.context_parallel``); the stages take the model's RoPE positions, which
         are the shard's global positions in training and whole rows in evaluation."""
-        self.cp, self.width = context.cp, self.seq_len // context.cp
+        self.cp, self.width, self.cp_group = context.cp, self.seq_len // context.cp, context.group
         for module in self.modules.values():
             module.rope_positions = self.model.rope_positions
 
@@ -599,7 +600,8 @@ class Pipeline:
         norms = None
         if grad_norms == "ghost":
             layouts = [[torch.tensor(mb, dtype=torch.long) for mb in p.microbatches] for p in plan.passes]
-            norms = MicroBatchNorms(self.model, batch.doc_index.to(self.device), n_docs, layouts)
+            norms = MicroBatchNorms(self.model, batch.doc_index.to(self.device), n_docs, layouts,
+                                    context=self.cp_group)
         try:
             return self._step(batch, plan, norms, loss_scale)
         finally:
@@ -668,13 +670,16 @@ class Pipeline:
     def _document_norms(self, batch: Batch, norms: MicroBatchNorms | None, loss_scale: float) -> torch.Tensor | None:
         """Each document's gradient norm: the stages hold disjoint parameters, so the squares add
         over the pp group. A micro-batch's loss is its token-loss sum over ``global_tokens / replicas``
-        (times the loss scale): the output gradients the hooks saw, rescaled to the document's mean."""
+        (times the loss scale): the output gradients the hooks saw, rescaled to the document's mean
+        (over its whole rows: with cp, the target tokens of every cp rank's positions)."""
         if norms is None:
             return None
         squares = norms.finish()
         dist.all_reduce(squares, group=self.group)
         doc_tokens = torch.zeros(len(batch.doc_ids), dtype=torch.long, device=self.device).index_add_(
             0, batch.doc_index.to(self.device), batch.loss_mask.to(self.device).sum(1))
+        if self.cp_group is not None:
+            dist.all_reduce(doc_tokens, group=self.cp_group)
         scale = self._acc["global_tokens"] / (loss_scale * doc_tokens.double())
         return (squares * scale**2).sqrt().masked_fill(doc_tokens == 0, float("nan"))
 

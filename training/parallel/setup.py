@@ -37,8 +37,6 @@ __all__ = ["Parallel", "grad_norms_setting"]
 #: Why per-document gradient norms are not measured under a layout. Per-document losses stay
 #: exact under all of them.
 _NORMS_OFF = {
-    "cp+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not add parts of rows over cp ranks",
-    "tp+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take tensor-parallel shards",
     "ep+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take experts that serve "
              "other ranks' micro-batches",
 }
@@ -297,9 +295,7 @@ class Parallel:
         documents or (``has_documents=False``) with the placeholder row."""
         if not self.on:
             return setting
-        mode = None
-        if self.pipelined:
-            mode = "cp+pp" if self.dims.cp > 1 else "tp+pp" if self.dims.tp > 1 else "ep+pp" if self.dims.ep > 1 else None
+        mode = "ep+pp" if self.pipelined and self.dims.ep > 1 else None
         setting = grad_norms_setting(setting, mode, warn=self.world.is_main)
         # Nothing of its own to attribute; but under ep its experts serve the group's documents,
         # and every rank of the group must join the norms' collectives.
