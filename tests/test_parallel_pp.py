@@ -247,25 +247,6 @@ def test_pipeline_layouts_that_cannot_run_are_refused():
     check_pipeline_layout(ParallelDims(dp_shard=1, pp=2, world_size=2), params)
 
 
-def test_ghost_norms_are_switched_off_under_ep_times_pp_with_a_warning():
-    from training.parallel.setup import grad_norms_setting
-
-    with pytest.warns(UserWarning, match="ep\\+pp: per-document gradient norms are off"):
-        assert grad_norms_setting("ghost", "ep+pp") == "off"
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert grad_norms_setting("off", "ep+pp") == "off"
-        assert grad_norms_setting("ghost", "ep+pp", warn=False) == "off"  # said once, by rank 0
-        assert grad_norms_setting("ghost", None) == "ghost"  # a layout where they stay exact (pp alone too)
-
-
-def _norms_off(layout: dict) -> str | None:
-    """The layout whose per-document gradient norms are off under pp (training.parallel.setup), or None."""
-    return "ep+pp" if layout.get("ep", 1) > 1 else None
-
-
 # --------------------------------------------------------- real multi-process runs
 def _run(config: dict, out: Path, nproc: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -372,12 +353,10 @@ def test_a_pipelined_run_resumes_from_its_checkpoint(workspace, tmp_path):  # no
 
 
 
-def assert_run_matches_single(run: Path, single: Path, params_file: Path, documents: bool = True,
-                              norms: bool = True) -> None:
+def assert_run_matches_single(run: Path, single: Path, params_file: Path, documents: bool = True) -> None:
     """A pipelined run against the single-process one: the loss curve (rtol 1e-5) and the final
-    parameters (atol 2e-5); with ``documents``, also every document's loss at every step, once (the
-    last stage writes it), and its gradient norm (rtol 1e-5; ``norms=False``: none, where the layout
-    turns them off)."""
+    parameters (atol 2e-5); with ``documents``, also every document's loss and gradient norm at every
+    step, once (the last stage writes it), rtol 1e-5."""
     assert _history(run) == pytest.approx(_history(single), rel=1e-5)
     mine, theirs = _final_params(run, params_file), _final_params(single, params_file)
     for name, value in theirs.items():
@@ -388,13 +367,10 @@ def assert_run_matches_single(run: Path, single: Path, params_file: Path, docume
         want = dict(zip(zip(ref["step"].to_pylist(), ref["sample_id"].to_pylist()), ref["loss"].to_pylist()))
         assert got.keys() == want.keys()
         assert list(got.values()) == pytest.approx([want[k] for k in got], rel=1e-5)
-        if norms:
-            got = dict(zip(zip(tel["step"].to_pylist(), tel["sample_id"].to_pylist()), tel["grad_norm"].to_pylist()))
-            want = dict(zip(zip(ref["step"].to_pylist(), ref["sample_id"].to_pylist()), ref["grad_norm"].to_pylist()))
-            assert None not in want.values()
-            assert list(got.values()) == pytest.approx([want[k] for k in got], rel=1e-5)
-        else:
-            assert all(g is None for g in tel["grad_norm"].to_pylist())
+        got = dict(zip(zip(tel["step"].to_pylist(), tel["sample_id"].to_pylist()), tel["grad_norm"].to_pylist()))
+        want = dict(zip(zip(ref["step"].to_pylist(), ref["sample_id"].to_pylist()), ref["grad_norm"].to_pylist()))
+        assert None not in want.values()
+        assert list(got.values()) == pytest.approx([want[k] for k in got], rel=1e-5)
 
 # ------------------------------------------------------------------ DP × PP (4 ranks)
 def _assay_train(args: list[str], timeout: int = 900) -> str:
@@ -461,12 +437,8 @@ def _layout_matches_one_process(workspace, nproc: int, layout: dict, flags: list
     else:
         stderr = _assay_train(["--params", str(params_file), "train", "--data", str(data), "--out", str(run),
                                "--nproc", str(nproc), *flags])
-    off = _norms_off(layout)
-    if off is None:
-        assert "per-document gradient norms are off" not in stderr
-    else:
-        assert stderr.count(f"{off}: per-document gradient norms are off") == 1
-    assert_run_matches_single(run, single, params_file, norms=off is None)
+    assert "per-document gradient norms are off" not in stderr  # every layout measures them
+    assert_run_matches_single(run, single, params_file)
     metrics = json.loads((run / "metrics.json").read_text())
     single_metrics = json.loads((single / "metrics.json").read_text())
     assert metrics["parameters"] == single_metrics["parameters"]
@@ -762,6 +734,6 @@ def test_two_stages_per_rank_dp_times_pp_match_one_process(single4, layout, tmp_
     run = tmp_path / "run"
     _torchrun(4, ["--data", str(data), "--out", str(run), "--params-file", str(params_file), "--parallel",
                   json.dumps({**layout, "pp": 2})], module="training.parallel.worker")
-    assert_run_matches_single(run, single, params_file, norms=_norms_off(layout) is None)
+    assert_run_matches_single(run, single, params_file)
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["val_loss"] == pytest.approx(json.loads((single / "metrics.json").read_text())["val_loss"], rel=1e-5)

@@ -87,10 +87,15 @@ each one's tokens zero-padded), and the squared norms, indexed by a document num
 the ep group, are all-reduced over it; each rank keeps its own documents'. A received ``g_t`` is
 the gradient of its source rank's loss, so the owner's rescaling applies to it unchanged.
 
+Context parallelism (training.parallel.context_parallel: each rank holds some positions of every row):
+a document's gradient is the sum of the ranks' parts, so each layer's per-document parts are summed over
+the cp group before squaring (:func:`_context_sq_norms`).
+
 Pipeline parallelism (training.parallel.pipeline): the schedule runs the step's rows as micro-batches,
 stage by stage. :class:`MicroBatchNorms` gives each micro-batch hooks of its own; a document's rows in
 several micro-batches are measured together after the last backward (their cross terms), and the
-stages' squared norms add over the pp group (each parameter lives on one stage).
+stages' squared norms add over the pp group (each parameter lives on one stage). With tp, cp or ep
+inside the stages, each micro-batch does what one batch does under them.
 
 Models with parameters this module cannot attribute (an unknown module type owning
 parameters, a parameter shared between modules) fall back, with a warning, to
@@ -419,18 +424,25 @@ class _EPDocuments:
             method: Method) -> None:
         """Add an expert Linear's per-document squared norms; ``a``, ``g``: (rows, .) its input
         and output gradient, ``source``: where each row came from."""
-        docs, group = torch.unique(self.documents(source), return_inverse=True)
-        slot, m = _slots(group, docs.numel())
-        # One "row" per document present, holding all its tokens: the same formulas as by rows.
-        rows = _Rows(docs, self.n_docs, m)
-        a = a.new_zeros(docs.numel(), m, a.shape[1]).index_put_((group, slot), a)
-        g = g.new_zeros(docs.numel(), m, g.shape[1]).index_put_((group, slot), g)
-        self.sq_norms += _linear_sq_norms(a, g, rows, weight, bias, method)
+        self.sq_norms += _expert_sq_norms(a, g, self.documents(source), self.n_docs, weight, bias, method)
 
     def mine_summed(self) -> torch.Tensor:
         """After the backward: this rank's documents' squared norms from every expert of the group."""
         dist.all_reduce(self.sq_norms, group=self.group)
         return self.sq_norms[self.mine]
+
+
+def _expert_sq_norms(a: torch.Tensor, g: torch.Tensor, docs: torch.Tensor, n_docs: int, weight: bool, bias: bool,
+                     method: Method) -> torch.Tensor:
+    """(n_docs,) squared norms of an expert Linear's per-document gradients, from its token rows
+    ``a``, ``g`` (rows, .) and each row's document ``docs``."""
+    present, group = torch.unique(docs, return_inverse=True)
+    slot, m = _slots(group, present.numel())
+    # One "row" per document present, holding all its tokens: the same formulas as by rows.
+    rows = _Rows(present, n_docs, m)
+    a = a.new_zeros(present.numel(), m, a.shape[1]).index_put_((group, slot), a)
+    g = g.new_zeros(present.numel(), m, g.shape[1]).index_put_((group, slot), g)
+    return _linear_sq_norms(a, g, rows, weight, bias, method)
 
 
 def _ep_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -631,15 +643,9 @@ class _GhostNorms:
 
     def _on_expert_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         """Expert parallel: this expert's rows may come from any rank of the ep group."""
-        x = saved["x"]
-        dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
-        a = x.to(saved["out_dtype"]).to(dtype).reshape(-1, x.shape[-1])
-        g = g.to(dtype).reshape(-1, g.shape[-1])
-        record, e = saved["dispatch"]
-        start = int(record.counts[:e].sum())
+        a, g, source = _expert_operands(saved, g)
         bias = module.bias is not None and module.bias.requires_grad
-        self.ep_docs.add(a, g, record.source[start : start + a.shape[0]], module.weight.requires_grad, bias,
-                         self.method)
+        self.ep_docs.add(a, g, source, module.weight.requires_grad, bias, self.method)
 
     def _layer(self, module: nn.Module, saved: dict, g: torch.Tensor) -> LayerGrad:
         x, rows = saved["x"], self.rows
@@ -684,6 +690,18 @@ class _GhostNorms:
                 v(layer, docs, per_doc)
 
         return _linear_sq_norms(layer.x, layer.g, rows, weight, bias, self.method, visit if visitors else None)
+
+
+def _expert_operands(saved: dict, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert-parallel expert Linear's (input as its kernel saw it, output gradient), one row per
+    token it ran, and each row's source (ep rank, flat position)."""
+    x = saved["x"]
+    dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
+    a = x.to(saved["out_dtype"]).to(dtype).reshape(-1, x.shape[-1])
+    g = g.to(dtype).reshape(-1, g.shape[-1])
+    record, e = saved["dispatch"]
+    start = int(record.counts[:e].sum())
+    return a, g, record.source[start : start + a.shape[0]]
 
 
 def _shard_operands(kind: str, x, g, shard: _Shard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -737,14 +755,27 @@ class _MicroBatchGhost(_GhostNorms):
         if not saved:
             # A zero-bubble schedule's weight pass may run the node again: its g was seen already.
             return
-        if saved["dispatch"] is not None and isinstance(saved["dispatch"][0], EPDispatch):
-            raise RuntimeError("per-document norms under pp: expert-parallel layers are not supported")
         with torch.no_grad(), torch.autocast(g.device.type, enabled=False):
+            if saved["dispatch"] is not None and isinstance(saved["dispatch"][0], EPDispatch):
+                self._on_ep_expert_grad(module, saved, g)
+                saved.clear()
+                return
             layer = self._layer(module, saved, g)
             self._add(layer, saved["shard"])
             if self.split_rows.numel():
                 self.split.keep(layer, self.rows.row_doc, self.split_rows, saved["shard"])
         saved.clear()
+
+    def _on_ep_expert_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
+        """Expert parallel: rows from the ep group's micro-batches, documents in the group's numbering
+        (the same in every micro-batch of the step); split documents' rows are kept as well."""
+        a, g, source = _expert_operands(saved, g)
+        docs = self.ep_docs.documents(source)
+        weight, bias = module.weight.requires_grad, module.bias is not None and module.bias.requires_grad
+        self.ep_docs.sq_norms += _expert_sq_norms(a, g, docs, self.ep_docs.n_docs, weight, bias, self.method)
+        kept = self.split.split_in_group[docs]
+        if kept.any():
+            self.split.experts.setdefault(module, []).append((a[kept], g[kept], docs[kept]))
 
 
 class _SplitRows:
@@ -757,6 +788,10 @@ class _SplitRows:
         self.n_docs = n_docs
         self.layers: dict[nn.Module, list[tuple[LayerGrad, torch.Tensor]]] = {}
         self.shards: dict[nn.Module, _Shard | None] = {}
+        #: Expert parallel: each of this rank's experts' rows of split documents (a, g, document in the
+        #: ep group's numbering), and which documents of that numbering are split.
+        self.experts: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.split_in_group: torch.Tensor | None = None
 
     def keep(self, layer: LayerGrad, row_doc: torch.Tensor, rows: torch.Tensor, shard: _Shard | None) -> None:
         if layer.kind == "rmsnorm":  # its norm needs only each row's summed per-token gradient
@@ -784,6 +819,27 @@ class _SplitRows:
             ghost._add(LayerGrad(module, kind, x, g), self.shards[module])
             out = ghost.sq_norms if out is None else out + ghost.sq_norms
         return out
+
+    def expert_sq_norms(self, n_docs: int, method: Method) -> torch.Tensor | None:
+        """Expert parallel: what this rank's experts add to the split documents (the ep group's numbering)."""
+        out = None
+        for module, parts in self.experts.items():
+            a, g, docs = (torch.cat(t) for t in zip(*parts))
+            bias = module.bias is not None and module.bias.requires_grad
+            norms = _expert_sq_norms(a, g, docs, n_docs, module.weight.requires_grad, bias, method)
+            out = norms if out is None else out + norms
+        return out
+
+
+def _gathered_flags(flags: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``flags`` (of its own length) laid end to end, rank by rank."""
+    sizes = [torch.zeros(1, dtype=torch.long, device=flags.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([flags.numel()], device=flags.device), group=group)
+    padded = torch.zeros(int(max(sizes)), dtype=torch.long, device=flags.device)
+    padded[: flags.numel()] = flags.long()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[: int(n)] for p, n in zip(parts, sizes)]).bool()
 
 
 def _pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -833,6 +889,9 @@ class MicroBatchNorms:
         self.split = in_microbatches > 1
         self.split[n_docs] = False
         self.kept = _SplitRows(n_docs + 1)
+        self.ep_group = _ep_group(model)
+        if self.ep_group is not None:
+            self.kept.split_in_group = _gathered_flags(self.split, self.ep_group)
         self.current: _MicroBatchGhost | None = None
         # prepend: under tp, see each module's own DTensor output before the plan's hook makes it local.
         self.handles = [m.register_forward_hook(self._forward_hook, prepend=True) for m in self.plan.kinds]
@@ -847,8 +906,13 @@ class MicroBatchNorms:
         ghosts = []
         for rows in microbatches:
             docs = self._docs(rows)
-            ghosts.append(_MicroBatchGhost(self.plan, _Rows(docs, self.n_docs + 1, width), self.method,
-                                           torch.nonzero(self.split[docs]).squeeze(1), self.kept, self.context))
+            ghost = _MicroBatchGhost(self.plan, _Rows(docs, self.n_docs + 1, width), self.method,
+                                     torch.nonzero(self.split[docs]).squeeze(1), self.kept, self.context)
+            if self.ep_group is not None:
+                # Collectives of the ep group (the stage's ranks, which run the same passes): before
+                # the schedule, not inside it. Every micro-batch numbers the group's documents alike.
+                ghost.ep_docs = _EPDocuments(ghost.rows, self.ep_group)
+            ghosts.append(ghost)
         self._passes.append(ghosts)
 
     @contextmanager
@@ -880,9 +944,18 @@ class MicroBatchNorms:
         if meshes:  # tensor parallel: each rank added the squares of its shards
             (mesh,) = meshes
             dist.all_reduce(total, group=mesh.get_group())
+        if self.ep_group is not None:  # expert parallel: this rank's experts' part of the group's documents
+            ep = [ghost.ep_docs for ghosts in self._passes for ghost in ghosts]
+            experts = sum(e.sq_norms for e in ep)
+            kept = self.kept.expert_sq_norms(ep[0].n_docs, self.method)
+            if kept is not None:
+                experts = torch.where(self.kept.split_in_group, kept, experts)
+            dist.all_reduce(experts, group=self.ep_group)
+            total = total + experts[ep[0].mine]
         self._passes.clear()
         self.kept.layers.clear()
         self.kept.shards.clear()
+        self.kept.experts.clear()
         return total[: self.n_docs]
 
     def close(self) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,24 +31,7 @@ from training.parallel.dims import ParallelDims
 from training.parallel.distributed import Distributed
 from training.precision import loss_scaler, scales_loss
 
-__all__ = ["Parallel", "grad_norms_setting"]
-
-#: Why per-document gradient norms are not measured under a layout. Per-document losses stay
-#: exact under all of them.
-_NORMS_OFF = {
-    "ep+pp": "the micro-batch norms (training.grad_norms.MicroBatchNorms) do not take experts that serve "
-             "other ranks' micro-batches",
-}
-
-
-def grad_norms_setting(setting: str, mode: str | None, warn: bool = True) -> str:
-    """``setting``, or "off" under a mode in ``_NORMS_OFF``, said once (where ``warn``: rank 0)."""
-    if setting == "off" or mode is None:
-        return setting
-    if warn:
-        warnings.warn(f"{mode}: per-document gradient norms are off: {_NORMS_OFF[mode]}; "
-                      "per-document losses stay exact", stacklevel=3)
-    return "off"
+__all__ = ["Parallel"]
 
 PlainOptimizer = Callable[[], torch.optim.Optimizer]
 
@@ -291,12 +273,10 @@ class Parallel:
         return self.context.group if self.on and self.dims.cp > 1 and not self.pipelined else None
 
     def telemetry_grad_norms(self, setting: str, has_documents: bool = True) -> str:
-        """The per-document gradient norm setting this layout can honour exactly, on a rank with
-        documents or (``has_documents=False``) with the placeholder row."""
+        """The per-document gradient norm setting on a rank with documents or (``has_documents=False``)
+        with the placeholder row. Every layout measures them exactly (training.grad_norms)."""
         if not self.on:
             return setting
-        mode = "ep+pp" if self.pipelined and self.dims.ep > 1 else None
-        setting = grad_norms_setting(setting, mode, warn=self.world.is_main)
         # Nothing of its own to attribute; but under ep its experts serve the group's documents,
         # and every rank of the group must join the norms' collectives.
         return setting if has_documents or self.dims.ep > 1 else "off"
