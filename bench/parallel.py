@@ -1,7 +1,7 @@
 """Data-parallel training on CPU: tokens/s and bytes per rank for each mode at 1, 2 and 4 ranks.
 
     python bench/parallel.py [--data DIR] [--steps 20] [--dim 128] [--layers 4] [--ranks 1,2,4]
-        [--modes ddp,ddp+zero1,fsdp,tp,fsdp+tp,pp,fsdp+pp,ddp+pp,cp,fsdp+cp,cp+pp]
+        [--modes ddp,ddp+zero1,fsdp,tp,fsdp+tp,pp,fsdp+pp,ddp+pp,cp,fsdp+cp,cp+pp] [--grad-norms ghost|off]
 
 Each mode trains the same model on the same data and seed through `assay train`'s
 torchrun path (training.parallel.worker), one CPU thread per rank, and reports from
@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--ranks", default="1,2,4")
     ap.add_argument("--modes", default="ddp,ddp+zero1,fsdp", help=f"comma-separated, of {', '.join(m for m in MODES if m != 'single')}")
+    ap.add_argument("--grad-norms", choices=["ghost", "off"], default="ghost",
+                    help="per-document gradient norms (train.telemetry.grad_norms; params.yaml's default is ghost): "
+                         "run both to see what they cost in each layout")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="assay-bench-parallel-"))
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
         "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 4, "ffn_hidden": 3 * args.dim},
         "vocab_size": 2048, "seq_len": args.seq_len, "batch_size": args.batch, "steps": args.steps,
         "warmup_steps": 2, "checkpoint_every": args.steps, "eval_rows": 8, "device": "cpu",
-        "telemetry": {"spike_min_history": 128}}}))  # no spike skips in a short run
+        "telemetry": {"spike_min_history": 128, "grad_norms": args.grad_norms}}}))  # no spike skips in a short run
 
     rows = []
     baseline = run(data, params_file, tmp / "single", 1, {}, args.steps)
@@ -115,7 +118,8 @@ def main(argv=None) -> int:
     base_mem = baseline["metrics"]["memory_per_rank"]
     base_total = sum(base_mem.values())
     print(f"model: dim {args.dim}, {args.layers} layers, {baseline['metrics']['parameters']:,} parameters; "
-          f"{args.steps} steps of {args.batch}×{args.seq_len}; {os.cpu_count()} cores")
+          f"{args.steps} steps of {args.batch}×{args.seq_len}; per-document gradient norms {args.grad_norms}; "
+          f"{os.cpu_count()} cores")
     print(f"{'mode':<11}{'ranks':>6}{'tok/s':>9}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}"
           f"{'total/P':>9}{'optim/P':>9}{'final loss':>12}")
     for mode, ranks, r in rows:

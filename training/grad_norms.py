@@ -123,8 +123,8 @@ from training.parallel.expert_parallel import EPDispatch, LocalExperts
 __all__ = [
     "DocumentStats",
     "LayerGrad",
-    "MicroBatchNorms",
     "LayerObserver",
+    "MicroBatchNorms",
     "per_document_grad_norms_functional",
     "per_document_grad_norms_reference",
     "per_document_loss_and_grad_norm",

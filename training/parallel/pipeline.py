@@ -637,6 +637,8 @@ class Pipeline:
             start = time.perf_counter()
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
             walls.append(time.perf_counter() - start)
+            for s in stages:  # a later use of these cached stages (another step, evaluation) sets its own
+                s.norms = None
             _keep_earlier_grads(earlier)
             losses_all.extend(losses)
             padded += tokens.numel()
@@ -785,6 +787,7 @@ class Pipeline:
                     stages, schedule = self._stages(*p.shape)
                     for s in stages:
                         s.filler_rows = _filler_rows(p)
+                        s.norms = None
                     self._last_stage = next((s for s in stages if s.stage_index == self.n_stages - 1), None)
                     out = schedule.eval(*((batch.tokens[take].to(device),) if 0 in self.local else ()),
                                         target=packed if self.has_last else None)
