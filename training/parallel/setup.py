@@ -9,7 +9,6 @@ one, so ``training.trainer`` has one code path.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
