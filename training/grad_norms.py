@@ -630,16 +630,18 @@ class _GhostNorms:
                 observe(layer, self.rows)
         saved.clear()  # free the input now rather than at the end of the step
 
-    def _add(self, layer: LayerGrad, shard: _Shard | None) -> None:
-        """Add a layer's per-document squared norms (of this rank's shard, under tp)."""
+    def _add(self, layer: LayerGrad, shard: _Shard | None, rows: _Rows | None = None) -> None:
+        """Add a layer's per-document squared norms (of this rank's shard, under tp); ``rows``: the
+        layout of ``layer``'s rows when they are not the whole batch's."""
+        rows = rows or self.rows
         if self.context is not None:
-            self.sq_norms += _context_sq_norms(layer, self.rows, self.context)
+            self.sq_norms += _context_sq_norms(layer, rows, self.context)
         elif shard is None:
-            self.sq_norms += self._sq_norms(layer)
+            self.sq_norms += self._sq_norms(layer, rows=rows)
         else:
             self.mesh = shard.mesh
             if shard.counted_here:
-                self.sq_norms += self._sq_norms(layer, shard)
+                self.sq_norms += self._sq_norms(layer, shard, rows)
 
     def _on_expert_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         """Expert parallel: this expert's rows may come from any rank of the ep group."""
@@ -673,8 +675,8 @@ class _GhostNorms:
             g = g.new_zeros(rows.n_rows, m, g.shape[1]).index_put_((row, slot), g)
         return LayerGrad(module, kind, a, g)
 
-    def _sq_norms(self, layer: LayerGrad, shard: _Shard | None = None) -> torch.Tensor:
-        module, rows = layer.module, self.rows
+    def _sq_norms(self, layer: LayerGrad, shard: _Shard | None = None, rows: _Rows | None = None) -> torch.Tensor:
+        module, rows = layer.module, rows or self.rows
         if layer.kind == "embedding":
             vocab = (shard.offset[0], shard.shape[0]) if shard is not None and shard.sharded else None
             return _embedding_sq_norms(module, layer.x, layer.g, rows, vocab)
@@ -743,13 +745,32 @@ def _ghost_norm_hooks(
 
 # ------------------------------------------------------------------ pipeline parallel
 class _MicroBatchGhost(_GhostNorms):
-    """One micro-batch's hooks: the usual norms of its rows, and the rows of the step's split
-    documents (rows in more than one micro-batch) set aside for :class:`MicroBatchNorms`."""
+    """One micro-batch's hooks: the usual norms of its whole documents' rows, and the rows of the
+    step's split documents (rows in more than one micro-batch) set aside for :class:`MicroBatchNorms`,
+    which measures them once, together. Filler rows (the last document slot) are not measured."""
 
     def __init__(self, plan: _Plan, rows: _Rows, method: Method, split_rows: torch.Tensor, split: "_SplitRows",
                  context: dist.ProcessGroup | None):
         super().__init__(plan, rows, method)
         self.split_rows, self.split, self.context = split_rows, split, context
+        measured = rows.row_doc < rows.n_docs - 1
+        measured[split_rows] = False
+        #: The rows whose norms this micro-batch adds, and their layout; None: every row.
+        self.measured_rows: torch.Tensor | None = None
+        if not bool(measured.all()):
+            self.measured_rows = torch.nonzero(measured).squeeze(1)
+            self.measured = _Rows(rows.row_doc[self.measured_rows], rows.n_docs, rows.seq_len)
+
+    def _add_measured(self, layer: LayerGrad, shard: _Shard | None) -> None:
+        if self.measured_rows is None:
+            self._add(layer, shard)
+            return
+        if shard is not None:
+            self.mesh = shard.mesh  # the squares kept for later are this rank's shard's too
+        if self.measured_rows.numel():  # the same on every cp rank (they hold the same rows)
+            idx = self.measured_rows
+            part = LayerGrad(layer.module, layer.kind, None if layer.x is None else layer.x[idx], layer.g[idx])
+            self._add(part, shard, self.measured)
 
     def _on_grad(self, module: nn.Module, saved: dict, g: torch.Tensor) -> None:
         if not saved:
@@ -761,7 +782,7 @@ class _MicroBatchGhost(_GhostNorms):
                 saved.clear()
                 return
             layer = self._layer(module, saved, g)
-            self._add(layer, saved["shard"])
+            self._add_measured(layer, saved["shard"])
             if self.split_rows.numel():
                 self.split.keep(layer, self.rows.row_doc, self.split_rows, saved["shard"])
         saved.clear()
@@ -772,10 +793,11 @@ class _MicroBatchGhost(_GhostNorms):
         a, g, source = _expert_operands(saved, g)
         docs = self.ep_docs.documents(source)
         weight, bias = module.weight.requires_grad, module.bias is not None and module.bias.requires_grad
-        self.ep_docs.sq_norms += _expert_sq_norms(a, g, docs, self.ep_docs.n_docs, weight, bias, self.method)
         kept = self.split.split_in_group[docs]
         if kept.any():
             self.split.experts.setdefault(module, []).append((a[kept], g[kept], docs[kept]))
+            a, g, docs = a[~kept], g[~kept], docs[~kept]
+        self.ep_docs.sq_norms += _expert_sq_norms(a, g, docs, self.ep_docs.n_docs, weight, bias, self.method)
 
 
 class _SplitRows:
@@ -938,8 +960,8 @@ class MicroBatchNorms:
                 total += ghost.sq_norms
                 meshes.add(ghost.mesh)
         kept = self.kept.sq_norms(self.plan, self.method, self.context)
-        if kept is not None:  # split documents: measured whole, not micro-batch by micro-batch
-            total = torch.where(self.split, kept, total)
+        if kept is not None:  # split documents: measured whole (the micro-batches left them out)
+            total += kept
         meshes.discard(None)
         if meshes:  # tensor parallel: each rank added the squares of its shards
             (mesh,) = meshes
@@ -949,7 +971,7 @@ class MicroBatchNorms:
             experts = sum(e.sq_norms for e in ep)
             kept = self.kept.expert_sq_norms(ep[0].n_docs, self.method)
             if kept is not None:
-                experts = torch.where(self.kept.split_in_group, kept, experts)
+                experts = experts + kept
             dist.all_reduce(experts, group=self.ep_group)
             total = total + experts[ep[0].mine]
         self._passes.clear()
