@@ -5,7 +5,7 @@
 Trains one MoE model (top-2 of ``--experts``) through `assay train`'s torchrun path as one
 process, FSDP on 2 ranks (experts sharded like every other weight) and FSDP + ep 2 (each
 rank keeps half the experts whole; the rest is FSDP-sharded), with ``--four`` also FSDP 4
-and FSDP 4 + ep 2 (each expert whole on 2 of the 4 ranks), and reports
+and FSDP 4 + ep 2 (each expert on 2 of the 4 ranks, FSDP-sharded between them), and reports
 ``Parallel.memory_per_rank`` (largest rank, after the first optimizer step), tokens/s and
 the final loss.
 """
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--four", action="store_true", help="also 4 ranks: FSDP 4, and FSDP 4 with ep 2 (2 expert replicas)")
+    ap.add_argument("--four", action="store_true", help="also 4 ranks: FSDP 4, and FSDP 4 with ep 2 (2 sharded copies of each expert)")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="assay-bench-ep-"))

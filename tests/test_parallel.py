@@ -198,20 +198,22 @@ def test_fp16_loss_scaling_agrees_across_ranks_and_trains_like_one_process(works
     assert [r["loss"] for r in mine] == pytest.approx([r["loss"] for r in theirs], rel=2e-3)
 
 
-def test_fp16_under_expert_parallel_skips_and_trains_as_the_same_ranks_without_it(workspace, tmp_path):
+@pytest.mark.parametrize("nproc", [2, 4], ids=["ep-2", "ep-2-with-copies"])
+def test_fp16_under_expert_parallel_skips_and_trains_as_the_same_ranks_without_it(workspace, tmp_path, nproc):
     """fp16 with ep 2: experts' gradients are plain tensors, each on its own rank, so the overflow verdict
     is agreed over the world (``training.parallel.loss_scaling``). The reference is the same two dp ranks
     with every expert on each (FSDP): the same documents per rank, so the same fp16 magnitudes. (Not one
     process: a rank's backward carries dp times a token's gradient, so fp16 overflows at other scales;
-    this MoE model overflows at 2^20 on 2 ranks and not in one process, measured.)"""
+    this MoE model overflows at 2^20 on 2 ranks and not in one process, measured.) On 4 ranks each expert
+    has two copies, FSDP-sharded between them: their gradients are DTensors on a mesh of their own."""
     root, data, _, _ = workspace
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump({"train": {**TINY, "steps": 8, "checkpoint_every": 8, "model": MOE_MODEL,
                                                      "precision": "fp16", "loss_scale_init": 2.0**24}}))
     runs = {}
-    for name, layout in (("fsdp", {"dp_shard": 2}), ("ep", {"dp_shard": 2, "ep": 2})):
+    for name, layout in (("fsdp", {"dp_shard": nproc}), ("ep", {"dp_shard": nproc, "ep": 2})):
         runs[name] = tmp_path / name
-        _torchrun(2, ["--data", str(data), "--out", str(runs[name]), "--params-file", str(params_file),
+        _torchrun(nproc, ["--data", str(data), "--out", str(runs[name]), "--params-file", str(params_file),
                       "--parallel", json.dumps(layout)], module="training.parallel.worker")
     mine, theirs = _records(runs["ep"]), _records(runs["fsdp"])
     assert [(r["skipped"], r["loss_scale"]) for r in mine] == [(r["skipped"], r["loss_scale"]) for r in theirs]

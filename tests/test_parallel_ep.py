@@ -95,6 +95,17 @@ def test_fsdp_runs_the_experts_any_rank_routed_to(tmp_path):
     assert [(tmp_path / f"result.{r}").read_text().split() for r in range(2)] == [["ok"], ["ok"]]
 
 
+@pytest.mark.parallel_quick
+def test_expert_copies_are_sharded_and_run_any_copy_routed_to(tmp_path):
+    """ep < dp: each expert's copies are FSDP-sharded over ep_replicate, and an expert one copy's
+    ep group routes to and the other's does not still runs on both (tests/parallel/ep_copies_routing.py)."""
+    from parallel.ep_copies_routing import WORLD, check
+
+    result = tmp_path / "result"
+    mp.spawn(check, args=(WORLD, _free_port(), str(result)), nprocs=WORLD)
+    assert [(tmp_path / f"result.{r}").read_text().split() for r in range(WORLD)] == [["ok"]] * WORLD
+
+
 # --------------------------------------------------------- real multi-process runs
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
@@ -180,6 +191,10 @@ def test_ep_training_matches_one_process(workspace, nproc, layout, tmp_path):
     reference = json.loads((single / "metrics.json").read_text())
     assert metrics["parameters"] == reference["parameters"]
     assert metrics["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    # ZeRO-3 throughout: each rank holds about 1/nproc of the parameters and optimizer state, its
+    # experts' included (with copies, sharded over them; FSDP pads each shard a little).
+    for kind in ("parameters", "optimizer"):
+        assert metrics["memory_per_rank"][kind] <= 1.05 * reference["memory_per_rank"][kind] / nproc, kind
 
 
 def test_an_ep_run_saved_on_four_ranks_resumes_on_two(workspace, tmp_path):

@@ -44,13 +44,15 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
-    from training.parallel.expert_parallel import expert_parameters
+    from training.parallel.expert_parallel import expert_parameters, plain_expert_parameters, shard_experts
 
     policy = mixed_precision_policy(precision)
-    # Expert-parallel experts differ from rank to rank: FSDP must neither shard nor average them.
-    ignored = set(expert_parameters(model)) or None
-    if ignored is None:  # FSDP reduces the experts: every rank must hold the same ones
+    if not expert_parameters(model):  # FSDP reduces the experts: every rank must hold the same ones
         join_experts_routed_in_group(model, None)
+    # Expert-parallel experts differ from rank to rank: the blocks' FSDP must leave them out. Those
+    # with replicas (ep < dp) are sharded over them first (fully_shard skips a sharded child).
+    shard_experts(model, policy, mesh.size())
+    ignored = set(plain_expert_parameters(model)) or None
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)

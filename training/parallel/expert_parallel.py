@@ -21,16 +21,20 @@ Where experts live (``ParallelDims.ep_mesh``): the dp ranks are split into a 2-D
 ``(ep_replicate, ep)``; the ``ep`` ranks of a row hold every expert once, and the
 ``ep_replicate`` ranks of a column hold the same experts (``dp / ep`` copies; 1 when
 ``ep == dp_shard`` without dp_replicate). The other parameters stay data parallel (FSDP /
-HSDP) exactly as without ep; experts are left out of ``fully_shard`` (``ignored_params``):
-they differ from rank to rank.
+HSDP) exactly as without ep; experts are left out of the blocks' ``fully_shard``: they differ
+from rank to rank. Experts with copies are ZeRO-3 sharded over their column instead
+(:func:`shard_experts`, torchtitan's ``dp_mod_ep`` FSDP), so a rank holds ``1 / dp`` of the
+experts' parameters, gradients and optimizer state, as FSDP gives the rest.
 
 Gradients. Each dp rank backpropagates ``dp × its share`` of the batch loss (see
 ``batches.local_batch``) and FSDP divides by ``dp``. An expert's gradient is summed on its
-rank from the tokens of every rank of its ep group through the all-to-all, so a hook divides
-it by ``dp`` as it is accumulated, and :func:`reduce_expert_grads` sums it over the
-replicas: the single-process gradient. ``Parallel.clip_grad_norm`` calls that reduction
-first (it runs once after every backward), then adds the experts' squared norms over the
-ep ranks (:func:`grad_norm_squared`) to the FSDP parameters'.
+rank from the tokens of every rank of its ep group through the all-to-all; without copies a
+hook divides it by ``dp`` as it is accumulated, with copies their reduce-scatter sums it over
+the column and divides by ``dp``: the single-process gradient either way. A copy whose ep group
+routed no token to an expert that another copy's did runs it on no rows (a zero gradient), so
+the copies' reduce-scatters match; one no copy routed to keeps ``grad None``, as in one
+process. ``Parallel.clip_grad_norm`` adds the experts' squared norms over the ep ranks
+(:func:`grad_norm_squared`) to the other parameters'.
 
 Balancing stays exact: ``tokens_per_expert`` counts this rank's routing for all experts
 (global indices); ``Parallel.sum_moe_loads`` all-reduces it over the world before
@@ -57,19 +61,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from assay.errors import AssayError
 from training.moe import MoE
 
 __all__ = ["EPDispatch", "LocalExperts", "apply_expert_parallel", "clip_grads_by_kind", "count_parameters", "expert_parameters",
-           "grad_norm_squared", "reduce_expert_grads"]
+           "grad_norm_squared", "plain_expert_parameters", "shard_experts"]
 
 
 class LocalExperts(nn.Module):
-    """The experts one rank owns, registered under their global indices (``experts.{e}``)."""
+    """The experts one rank owns, registered under their global indices (``experts.{e}``).
+
+    Called once per MoE forward on every rank, with each local expert's rows: FSDP's hooks on
+    this module (:func:`shard_experts`) gather the experts' parameters for that call."""
 
     def __init__(self, experts: dict[int, nn.Module], n_experts: int, group: dist.ProcessGroup, ep: int,
-                 replica_group: dist.ProcessGroup | None = None):
+                 replica_mesh: DeviceMesh | None = None):
         super().__init__()
         self.first = min(experts)
         self.n_local = len(experts)
@@ -77,9 +86,22 @@ class LocalExperts(nn.Module):
         self.group = group  # the ep ranks: every expert once
         self.ep = ep
         self.rank = dist.get_rank(group)  # within the ep group
-        self.replica_group = replica_group  # the ranks holding these same experts (None: only this one)
+        self.replica_mesh = replica_mesh  # the ranks holding these same experts (None: only this one)
+        self.sharded = False  # FSDP-sharded over replica_mesh (shard_experts)
         for e, expert in sorted(experts.items()):
             self.add_module(str(e), expert)
+
+    def forward(self, grouped: torch.Tensor, rows: list[int], run: list[bool]) -> torch.Tensor:
+        """``grouped``: the rows of local expert ``j`` at ``sum(rows[:j]) : sum(rows[:j+1])``;
+        expert ``j`` runs when ``run[j]`` (on no rows where ``rows[j]`` is 0: a zero gradient)."""
+        outputs, start = [], 0
+        for j, (n, go) in enumerate(zip(rows, run)):
+            if go:  # an expert that does not run gets no gradient (None), as in one process
+                outputs.append(self[self.first + j](grouped[start : start + n]))
+            start += n
+        # With no rows at all the (empty) input still carries the graph, so that this rank joins
+        # the backward all-to-alls like every other rank.
+        return torch.cat(outputs) if outputs else grouped
 
     def __getitem__(self, e: int) -> nn.Module:
         return self._modules[str(e)]
@@ -138,15 +160,9 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     origin = torch.stack([torch.full_like(token_ids, experts.rank), token_ids], 1)
     source = origin.new_empty(received.shape[0], 2)
     dist.all_to_all_single(source, origin, recv_splits, send_splits, group=group)
-    moe.ep_dispatch = EPDispatch(source.index_select(0, regroup), per_source.sum(0))
-    outputs, start = [], 0
-    for j, n in enumerate(per_source.sum(0).tolist()):
-        if n:  # an expert without tokens gets no gradient (None), as in one process
-            outputs.append(experts[experts.first + j](grouped[start : start + n]))
-        start += n
-    # With no rows at all the (empty) input still carries the graph, so that this rank joins
-    # the backward all-to-alls like every other rank.
-    y = torch.cat(outputs) if outputs else grouped
+    rows = per_source.sum(0)
+    moe.ep_dispatch = EPDispatch(source.index_select(0, regroup), rows)
+    y = experts(grouped, rows.tolist(), _experts_to_run(experts, rows).tolist())
     back = torch.empty_like(y).index_copy_(0, regroup, y) if y.shape[0] else y
     returned = all_to_all_single_autograd(back, send_splits, recv_splits, group)
 
@@ -156,14 +172,29 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
+def _experts_to_run(experts: LocalExperts, rows: torch.Tensor) -> torch.Tensor:
+    """Which local experts run: those with rows here; when FSDP reduces their gradients over the
+    replicas, those with rows on any replica (the reduce-scatters must match in size; a replica
+    without rows adds zeros). Evaluation has no backward: nothing to agree on."""
+    if experts.replica_mesh is not None and not experts.sharded:
+        raise RuntimeError("expert parallel: experts with replicas must be FSDP-sharded over them (shard_experts)")
+    if not (experts.sharded and torch.is_grad_enabled()):
+        return rows > 0
+    anywhere = rows.clone()
+    dist.all_reduce(anywhere, group=experts.replica_mesh.get_group())
+    return anywhere > 0
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp: int) -> set[nn.Parameter]:
     """Shard every MoE layer's experts over ``mesh["ep"]``; returns this rank's expert parameters.
 
     ``mesh``: ``(ep_replicate, ep)`` (``ParallelDims.ep_mesh``; a 1-D mesh is taken as ``ep``
-    alone). ``dp``: the ranks the loss is averaged over (see the module docstring); expert
-    gradients are divided by it as they are accumulated."""
+    alone). ``dp``: the ranks the loss is averaged over (see the module docstring); an expert
+    without replicas divides its gradient by it as it is accumulated. Experts with replicas
+    (ep < dp) are then FSDP-sharded over them by the data-parallel wrapper (:func:`shard_experts`),
+    whose reduce-scatter sums and divides."""
     ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
-    replica_group = mesh["ep_replicate"].get_group() if mesh.ndim > 1 and mesh["ep_replicate"].size() > 1 else None
+    replica_mesh = mesh["ep_replicate"] if mesh.ndim > 1 and mesh["ep_replicate"].size() > 1 else None
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     group = ep_mesh.get_group()
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -177,12 +208,28 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp: int) -> set[nn
         n_local = moe.n_experts // ep
         first = rank * n_local
         moe.experts = LocalExperts({e: moe.experts[e] for e in range(first, first + n_local)},
-                                   moe.n_experts, group, ep, replica_group)
+                                   moe.n_experts, group, ep, replica_mesh)
         moe.forward = _ep_forward.__get__(moe)  # this instance only; the class is untouched
         for p in moe.experts.parameters():
-            p.register_hook(lambda g, dp=dp: g / dp)
+            if replica_mesh is None:
+                p.register_hook(lambda g, dp=dp: g / dp)
             params.add(p)
     return params
+
+
+def shard_experts(model: nn.Module, policy: MixedPrecisionPolicy, dp: int, reshard_after_forward: bool = True) -> None:
+    """ZeRO-3 for the experts: FSDP2 ``fully_shard`` each layer's local experts over the ranks
+    holding the same ones (``ep_replicate``), before the blocks are wrapped (which then leave
+    them out). Their gradients are summed over the replicas and divided by ``dp`` (the loss on
+    every rank is scaled by dp: the module docstring), with plain sums on the wire (gloo has no
+    pre-multiplied sum). Experts without replicas (ep == dp) stay plain tensors."""
+    for local in _local_experts(model):
+        if local.replica_mesh is None:
+            continue
+        fully_shard(local, mesh=local.replica_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        local.set_gradient_divide_factor(float(dp))
+        local.set_force_sum_reduction_for_comms(True)
+        local.sharded = True
 
 
 def _local_experts(model: nn.Module) -> list[LocalExperts]:
@@ -194,38 +241,16 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in _local_experts(model) for p in m.parameters()]
 
 
-def reduce_expert_grads(model: nn.Module) -> None:
-    """Sum the expert gradients over the ranks holding the same experts (``ep_replicate``), as
-    DDP would (the hook already divided by dp). An expert no replica routed a token to keeps
-    ``grad None`` (AdamW skips it, as in one process); one routed on some replicas only gets
-    zeros on the others before the sum."""
-    layers = [m for m in _local_experts(model) if m.replica_group is not None]
-    if not layers:
-        return
-    group = layers[0].replica_group
-    params = [p for m in layers for p in m.parameters()]
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-    dist.all_reduce(has, group=group)
-    params = [p for p, h in zip(params, has.tolist()) if h]
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p))
-
-
 def grad_norm_squared(model: nn.Module) -> torch.Tensor:
-    """Squared 2-norm of all experts' gradients (after :func:`reduce_expert_grads`): each rank's
-    own experts', summed over the ep group."""
+    """Squared 2-norm of all experts' gradients: each rank's own experts' (FSDP shards: summed
+    over the replicas), summed over the ep group."""
     layers = _local_experts(model)
     grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
     total = torch.zeros((), dtype=torch.float32)
     if grads:
-        total = torch.nn.utils.get_total_norm(grads, 2.0).float().cpu() ** 2
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # every replica: the same
+        total = norm.float().cpu() ** 2
     dist.all_reduce(total, group=layers[0].group)
     return total
 
@@ -237,6 +262,11 @@ def clip_grads_by_kind(parameters: list[nn.Parameter], experts: set[int], max_no
     for part in ([p for p in parameters if id(p) in experts], [p for p in parameters if id(p) not in experts]):
         if part:
             torch.nn.utils.clip_grads_with_norm_(part, max_norm, total)
+
+
+def plain_expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """This rank's expert parameters that no FSDP manages (experts without replicas)."""
+    return [p for m in _local_experts(model) if not m.sharded for p in m.parameters()]
 
 
 def count_parameters(model: nn.Module) -> int:

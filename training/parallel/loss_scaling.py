@@ -12,7 +12,8 @@ skip and the next scale are decided once for all ranks.
 
 The unscale itself is also done one kind of tensor at a time: under expert parallel an
 optimizer holds plain expert gradients beside FSDP's DTensor gradients, and torch's fused
-unscale (a foreach kernel) takes one kind per call.
+unscale (a foreach kernel) takes one kind per call, and DTensors of one mesh (an expert with copies
+is sharded over them, the rest over dp).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        # (device, dtype, DTensor or not) -> gradients: one foreach call per group.
+        # (device, dtype, DTensor mesh or None) -> gradients: one foreach call per group (DTensor ops
+        # take one mesh: blocks' FSDP shards and sharded experts' are on different ones).
         groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -48,7 +50,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
                     if not allow_fp16 and param.grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     grad = param.grad  # dense: no model here has sparse gradients
-                    groups[(grad.device, grad.dtype, isinstance(grad, DTensor))].append(grad)
+                    mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+                    groups[(grad.device, grad.dtype, mesh)].append(grad)
             for (device, _, _), grads in groups.items():
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))

@@ -32,8 +32,9 @@ stage plan together), dense, sparse-attention and MoE models.
 EP × PP: the dp ranks of each stage hold its MoE layers' experts, ep of them every expert once
 (``ParallelDims.ep_mesh`` splits each stage's dp ranks); a micro-batch's MoE forward exchanges
 routed tokens with the stage's ep ranks (all-to-all), which run the same schedule and so meet
-at the same micro-batch. Experts are left out of FSDP; ``clip_grad_norm`` sums each expert's
-gradient over its copies and adds the experts' squares over the ep ranks, then over the stages.
+at the same micro-batch. Experts are left out of the stage's FSDP; those with copies are FSDP-sharded
+over them (``expert_parallel.shard_experts``). ``clip_grad_norm`` adds the experts' squares over
+the ep ranks, then over the stages.
 
 CP × PP: each cp rank of a stage holds ``width / cp`` positions of every row (zig-zag for ring
 attention, contiguous for sparse attention, ``context_parallel``), so a training pass is that
@@ -435,12 +436,15 @@ class Pipeline:
         from torch.distributed.fsdp import fully_shard
 
         from training.parallel.data_parallel import join_experts_routed_in_group, mixed_precision_policy
-        from training.parallel.expert_parallel import expert_parameters
+        from training.parallel.expert_parallel import expert_parameters, plain_expert_parameters, shard_experts
 
         policy = mixed_precision_policy(precision)
-        # Expert-parallel experts differ from rank to rank: FSDP must neither shard nor average them
-        # (ep needs dp_shard > 1, so they only ever meet fully_shard).
-        ignored = set(expert_parameters(self.model)) or None
+        expert_parallel = bool(expert_parameters(self.model))
+        # Expert-parallel experts differ from rank to rank: the stage's FSDP must leave them out (ep
+        # needs dp_shard > 1, so they only ever meet fully_shard). Those with replicas are sharded
+        # over them first, gathered for the step like the blocks.
+        shard_experts(self.model, policy, dims.dp, reshard_after_forward=False)
+        ignored = set(plain_expert_parameters(self.model)) or None
         if dims.fsdp:
             shard = _flat(mesh, ["dp_shard"] + ["cp"] * (dims.cp > 1))
             dp_mesh = mesh["dp_replicate", shard.mesh_dim_names[0]] if dims.ddp else shard
@@ -461,7 +465,7 @@ class Pipeline:
             wrap(self.modules[s])
         batch = [n for n in ("dp_replicate", "dp_shard", "cp") if getattr(dims, n) > 1]
         self.batch_group = _flat(mesh, batch).get_group()
-        if ignored is None:  # the wrappers reduce the experts: a stage's ranks must hold the same ones
+        if not expert_parallel:  # the wrappers reduce the experts: a stage's ranks must hold the same ones
             join_experts_routed_in_group(self.model, self.batch_group)
         if dims.dp > 1:
             self.dp, self.dp_group = dims.dp, dims.dp_mesh(mesh).get_group()
@@ -689,12 +693,9 @@ class Pipeline:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Stages hold disjoint parameters: the global norm is the root of their squares' sum
         (with FSDP, of their shards' too; replicas count once; ep: each expert once, on its rank)."""
-        from training.parallel.expert_parallel import (clip_grads_by_kind, expert_parameters, grad_norm_squared,
-                                                       reduce_expert_grads)
+        from training.parallel.expert_parallel import clip_grads_by_kind, expert_parameters, grad_norm_squared
 
         experts = expert_parameters(self.model)
-        if experts:  # summed over their replicas first: this runs once after every backward
-            reduce_expert_grads(self.model)
         mine = {id(p) for p in experts}
         grads = [p.grad for p in self.model.parameters() if p.grad is not None and id(p) not in mine]
         squares = torch.zeros((), dtype=torch.float64)

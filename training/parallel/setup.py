@@ -239,13 +239,10 @@ class Parallel:
         return float(total)
 
     def _clip_grad_norm_ep(self, model: nn.Module, max_norm: float) -> float:
-        """Experts are plain tensors, different on each ep rank (their squares add over ep); the
-        rest are FSDP shards, whose norm DTensor reduces. The experts' gradients are first summed
-        over their replicas: this runs once after every backward, before anything reads them."""
-        from training.parallel.expert_parallel import (clip_grads_by_kind, expert_parameters, grad_norm_squared,
-                                                       reduce_expert_grads)
+        """Experts differ from ep rank to ep rank (their squares add over ep); they and the rest
+        are FSDP shards (experts over their replicas, when they have any), whose norms DTensor reduces."""
+        from training.parallel.expert_parallel import clip_grads_by_kind, expert_parameters, grad_norm_squared
 
-        reduce_expert_grads(model)
         experts = {id(p) for p in expert_parameters(model)}
         parameters = [p for p in model.parameters() if p.grad is not None]
         rest = [p.grad for p in parameters if id(p) not in experts]
