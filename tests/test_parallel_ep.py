@@ -191,10 +191,11 @@ def test_ep_training_matches_one_process(workspace, nproc, layout, tmp_path):
     reference = json.loads((single / "metrics.json").read_text())
     assert metrics["parameters"] == reference["parameters"]
     assert metrics["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
-    # ZeRO-3 throughout: each rank holds about 1/nproc of the parameters and optimizer state, its
-    # experts' included (with copies, sharded over them; FSDP pads each shard a little).
+    # ZeRO-3 throughout: each rank holds about 1/dp_shard of the parameters and optimizer state, its
+    # experts' included (with copies, sharded over all of them; FSDP pads each shard a little).
+    shards = json.loads(layout)["dp_shard"]
     for kind in ("parameters", "optimizer"):
-        assert metrics["memory_per_rank"][kind] <= 1.05 * reference["memory_per_rank"][kind] / nproc, kind
+        assert metrics["memory_per_rank"][kind] <= 1.05 * reference["memory_per_rank"][kind] / shards, kind
 
 
 def test_an_ep_run_saved_on_four_ranks_resumes_on_two(workspace, tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ def _tokens(moe: MoE) -> list[torch.Tensor]:
 def check(rank: int, world: int, port: int, result_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A broken join leaves one copy waiting in a reduce-scatter its peer never starts: fail in a
+    # minute, not gloo's default half hour.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         reference = MoE(DIM, HIDDEN, EXPERTS, TOPK)
         reference.init_weights(0.5, torch.Generator().manual_seed(1))
