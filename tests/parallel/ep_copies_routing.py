@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from parallel.moe_fsdp_routing import DIM, EXPERTS, HIDDEN, ONE_RANK, SILENT, TOPK, Layer
+from parallel.moe_fsdp_routing import DIM, ONE_RANK, SILENT, Layer, loss_weights, reference_moe
 from training.moe import MoE
 from training.parallel.expert_parallel import apply_expert_parallel, plain_expert_parameters, shard_experts
 
@@ -48,14 +48,9 @@ def check(rank: int, world: int, port: int, result_file: str) -> None:
     # minute, not gloo's default half hour.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        reference = MoE(DIM, HIDDEN, EXPERTS, TOPK)
-        reference.init_weights(0.5, torch.Generator().manual_seed(1))
-        reference.double()
-        with torch.no_grad():
-            reference.expert_bias[SILENT] = -10.0
+        reference = reference_moe()
         parts = _tokens(reference)
-        weights = [torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3 + i))
-                   for i, p in enumerate(parts)]
+        weights = loss_weights(parts)
         (reference(torch.cat(parts)) * torch.cat(weights)).sum().backward()
 
         model = Layer(copy.deepcopy(reference))

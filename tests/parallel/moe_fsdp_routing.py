@@ -53,19 +53,30 @@ def _tokens(moe: MoE) -> tuple[torch.Tensor, torch.Tensor]:
     return rank0, pool[~reaches][8:17]
 
 
+def reference_moe() -> MoE:
+    """The float64 MoE every rank builds alike; its selection bias keeps every token off SILENT."""
+    reference = MoE(DIM, HIDDEN, EXPERTS, TOPK)
+    reference.init_weights(0.5, torch.Generator().manual_seed(1))
+    reference.double()
+    with torch.no_grad():
+        reference.expert_bias[SILENT] = -10.0
+    return reference
+
+
+def loss_weights(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fixed random weights for each rank's outputs: the loss is ``sum(out * weight)``."""
+    return [torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3 + i))
+            for i, p in enumerate(parts)]
+
+
 def check(rank: int, world: int, port: int, join: bool, result_file: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        reference = MoE(DIM, HIDDEN, EXPERTS, TOPK)
-        reference.init_weights(0.5, torch.Generator().manual_seed(1))
-        reference.double()
-        with torch.no_grad():
-            reference.expert_bias[SILENT] = -10.0
+        reference = reference_moe()
         parts = _tokens(reference)
-        weights = [torch.randn(p.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3 + i))
-                   for i, p in enumerate(parts)]
+        weights = loss_weights(list(parts))
         model = Layer(copy.deepcopy(reference))
 
         out_ref = reference(torch.cat(parts))
