@@ -12,8 +12,8 @@ skip and the next scale are decided once for all ranks.
 
 The unscale itself is also done one kind of tensor at a time: under expert parallel an
 optimizer holds plain expert gradients beside FSDP's DTensor gradients, and torch's fused
-unscale (a foreach kernel) takes one kind per call, and DTensors of one mesh (an expert with copies
-is sharded over them, the rest over dp).
+unscale (a foreach kernel) takes one kind per call; DTensors are grouped by mesh as well (an expert
+with copies is sharded over them, the rest over dp).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class AgreedGradScaler(torch.amp.GradScaler):
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        # (device, dtype, DTensor mesh or None) -> gradients: one foreach call per group (DTensor ops
-        # take one mesh: blocks' FSDP shards and sharded experts' are on different ones).
+        # (device, dtype, DTensor mesh or None) -> gradients: one foreach call per group. Sharded experts'
+        # gradients live on their copies' mesh, the rest on dp's; the unscale took both in one call when
+        # tried (fp16 ep test), but DTensor ops in general want one mesh per call.
         groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
             for group in optimizer.param_groups:
