@@ -84,8 +84,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, 
 def join_experts_routed_in_group(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make every rank of ``group`` (those whose gradients reduce together) run the same experts.
     Called by each wrapper that reduces the experts' gradients (FSDP and DDP here, over the world,
-    a superset of their group; the pipeline's, over a stage's ``batch_group``); not under ep,
-    whose experts stay out of the wrappers.
+    a superset of their group; the pipeline's, over a stage's ``batch_group``; under ep, whose
+    experts stay out of those wrappers, by ``expert_parallel.shard_experts`` over an expert's
+    copies, with the counts of the rows each local expert received).
 
     FSDP and replicate reduce the gradients a block's parameters hold on each rank, and one
     process leaves an expert no token reached with no gradient. On ranks with different

@@ -162,7 +162,11 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     dist.all_to_all_single(source, origin, recv_splits, send_splits, group=group)
     rows = per_source.sum(0)
     moe.ep_dispatch = EPDispatch(source.index_select(0, regroup), rows)
-    y = experts(grouped, rows.tolist(), _experts_to_run(experts, rows).tolist())
+    if experts.replica_mesh is not None and not experts.sharded:
+        raise RuntimeError("expert parallel: experts with replicas must be FSDP-sharded over them (shard_experts)")
+    # Copies reduce-scatter together: each runs the experts any copy has rows for (shard_experts).
+    joined = rows if moe.experts_in_graph is None else moe.experts_in_graph(rows)
+    y = experts(grouped, rows.tolist(), (joined > 0).tolist())
     back = torch.empty_like(y).index_copy_(0, regroup, y) if y.shape[0] else y
     returned = all_to_all_single_autograd(back, send_splits, recv_splits, group)
 
@@ -170,19 +174,6 @@ def _ep_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(flat)
     out.index_add_(0, token_ids, returned.to(out.dtype))  # sorted by expert, as one process adds
     return out.reshape(shape)
-
-
-def _experts_to_run(experts: LocalExperts, rows: torch.Tensor) -> torch.Tensor:
-    """Which local experts run: those with rows here; when FSDP reduces their gradients over the
-    replicas, those with rows on any replica (the reduce-scatters must match in size; a replica
-    without rows adds zeros). Evaluation has no backward: nothing to agree on."""
-    if experts.replica_mesh is not None and not experts.sharded:
-        raise RuntimeError("expert parallel: experts with replicas must be FSDP-sharded over them (shard_experts)")
-    if not (experts.sharded and torch.is_grad_enabled()):
-        return rows > 0
-    anywhere = rows.clone()
-    dist.all_reduce(anywhere, group=experts.replica_mesh.get_group())
-    return anywhere > 0
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp: int) -> set[nn.Parameter]:
@@ -222,14 +213,20 @@ def shard_experts(model: nn.Module, policy: MixedPrecisionPolicy, dp: int, resha
     holding the same ones (``ep_replicate``), before the blocks are wrapped (which then leave
     them out). Their gradients are summed over the replicas and divided by ``dp`` (the loss on
     every rank is scaled by dp: the module docstring), with plain sums on the wire (gloo has no
-    pre-multiplied sum). Experts without replicas (ep == dp) stay plain tensors."""
-    for local in _local_experts(model):
-        if local.replica_mesh is None:
-            continue
+    pre-multiplied sum). The copies' reduce-scatters must carry the same tensors, so each MoE layer
+    sums its local row counts over them (``join_experts_routed_in_group``, as FSDP without ep does
+    over the world) and a copy runs on no rows an expert that only another copy's group routed to.
+    Experts without replicas (ep == dp) stay plain tensors."""
+    from training.parallel.data_parallel import join_experts_routed_in_group
+
+    sharded = [local for local in _local_experts(model) if local.replica_mesh is not None]
+    for local in sharded:
         fully_shard(local, mesh=local.replica_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         local.set_gradient_divide_factor(float(dp))
         local.set_force_sum_reduction_for_comms(True)
         local.sharded = True
+    if sharded:  # every layer's copies are the same ranks: this rank's ep_replicate column
+        join_experts_routed_in_group(model, sharded[0].replica_mesh.get_group())
 
 
 def _local_experts(model: nn.Module) -> list[LocalExperts]:
