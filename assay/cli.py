@@ -335,7 +335,7 @@ def train_command(
     device: Optional[str] = typer.Option(None, "--device", help="cuda, xpu, mps, cpu or cuda:N (default: train.device, auto = cuda > xpu > mps > cpu)."),
     profile: bool = typer.Option(False, "--profile", help="Write a torch.profiler trace of steps 3-5 to OUT/profile/trace.json."),
     json_output: bool = typer.Option(False, "--json", help="Print metrics.json's content."),
-    nproc: int = typer.Option(1, "--nproc", help="Ranks on this machine; above 1, torchrun launches them (one CPU thread each unless OMP_NUM_THREADS is set)."),
+    nproc: int = typer.Option(1, "--nproc", help="Ranks on this machine; above 1, they are launched as one group (every socket on 127.0.0.1; with --rdzv-endpoint, torchrun) and get one CPU thread each unless OMP_NUM_THREADS is set."),
     dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="DDP ranks (overrides train.parallel.dp_replicate)."),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP2 (ZeRO-3) ranks; -1 = what the other dimensions leave."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor + sequence parallel ranks: heads and FFN units split over them (with --dp-shard: FSDP×TP)."),
@@ -347,7 +347,7 @@ def train_command(
     zero1: Optional[bool] = typer.Option(None, "--zero1/--no-zero1", help="ZeRO-1: shard AdamW's state over the DDP ranks."),
     nnodes: str = typer.Option("1", "--nnodes", help="Machines (or MIN:MAX for elastic membership); needs --rdzv-endpoint."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous, the same on every node."),
-    max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun elastic restarts after a rank fails (resume from the last checkpoint)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the whole group after a rank fails, each resuming from the last checkpoint."),
 ) -> None:
     """Train the decoder LM (params.yaml: train) on an exact dataset version.
 

@@ -24,7 +24,7 @@ def train_flow(data: str, out: str, rev: str | None = None, resume: bool = False
                max_restarts: int = 0) -> dict:
     """Train a decoder LM on DATA (as committed at REV, through DVC) into OUT, with per-document telemetry.
 
-    NPROC > 1 launches torchrun with that many ranks, laid out by PARALLEL (overrides of
+    NPROC > 1 launches that many ranks (on one machine every socket on 127.0.0.1; torchrun across machines), laid out by PARALLEL (overrides of
     params.yaml's train.parallel); this flow run waits for them and reads their metrics.
     """
     params = load_params(params_file).train
@@ -68,5 +68,5 @@ def _launch(data, out, rev, resume, overwrite, allow_data_change, steps, device,
     print("launching: " + " ".join(spec.command(args)))
     code = launch(spec, args)
     if code != 0:
-        raise AssayError(f"torchrun exited with {code}; each rank's error is above")
+        raise AssayError(f"the ranks exited with {code}; each rank's error is above")
     return json.loads((Path(out) / METRICS_FILE).read_text())

@@ -24,6 +24,7 @@ from assay.config import load_params
 from assay.errors import AssayError
 from assay.versions import open_version
 from corpus import stdlib_documents, write_documents
+from ports import free_port
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training.parallel.batches import assign_documents, local_batch
 from training.parallel.dims import ParallelDims
@@ -341,9 +342,12 @@ def assert_resumes_resharded(workspace, tmp_path: Path, first: tuple[int, dict],
     return params_file
 
 
-def test_a_killed_rank_restarts_the_group_from_its_checkpoint(workspace, tmp_path):
-    """torchrun --max-restarts 3: SIGKILL one rank after the first checkpoint; the group restarts,
-    resumes from that checkpoint with no one involved, and ends on the uninterrupted curve.
+@pytest.mark.parametrize("launcher", ["one machine", "torchrun"])
+def test_a_killed_rank_restarts_the_group_from_its_checkpoint(workspace, tmp_path, launcher):
+    """--max-restarts 3: SIGKILL one rank after the first checkpoint; the group restarts, resumes
+    from that checkpoint with no one involved, and ends on the uninterrupted curve. Both launchers
+    `assay train` uses: its own on one machine, and torchrun's c10d rendezvous (what several
+    machines use; here one node at a loopback endpoint).
 
     More than one restart is allowed because a restarted gloo group on this machine sometimes
     fails to connect once (a stale peer address, "Connection refused") and forms on the next try."""
@@ -359,11 +363,11 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(workspace, tmp_pat
     train(open_version(data), reference, load_params(params_file).train, progress=False)
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=3",
-           "-m", "training.parallel.worker", "--data", str(data), "--out", str(run), "--params-file",
-           str(params_file), "--parallel", json.dumps({"dp_shard": 2})]
-    log = tmp_path / "torchrun.log"  # a file, not a pipe: nobody reads a pipe while we wait
-    agent = subprocess.Popen(cmd, env=Launch(2).environment(), stdout=log.open("w"),
+    endpoint = None if launcher == "one machine" else f"127.0.0.1:{free_port()}"
+    spec = Launch(2, rdzv_endpoint=endpoint, max_restarts=3, parallel={"dp_shard": 2})
+    cmd = spec.command(["--data", str(data), "--out", str(run), "--params-file", str(params_file)])
+    log = tmp_path / "launcher.log"  # a file, not a pipe: nobody reads a pipe while we wait
+    agent = subprocess.Popen(cmd, env=spec.environment(), stdout=log.open("w"),
                              stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 900
@@ -388,7 +392,7 @@ def test_a_killed_rank_restarts_the_group_from_its_checkpoint(workspace, tmp_pat
     assert _history(run) == pytest.approx(_history(reference), rel=1e-5)
 
 
-def test_the_cli_launches_torchrun_and_refuses_what_is_not_built(workspace, tmp_path):
+def test_the_cli_launches_the_ranks_and_refuses_what_is_not_built(workspace, tmp_path):
     root, data, params_file, single = workspace
     assay = str(Path(sys.executable).parent / "assay")
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from assay.config import load_params
 from assay.errors import AssayError
 from assay.versions import open_version
 from corpus import stdlib_documents, write_documents
+from ports import free_port
 from test_parallel import _telemetry, _torchrun
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training.parallel.dims import ParallelDims
@@ -64,12 +64,6 @@ def test_ep_layouts_are_checked():
     assert ParallelDims(dp_shard=2, pp=2, ep=2, world_size=4).ep == 2  # EP × PP (tests/test_parallel_pp.py)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("bias", [pytest.param([0.0] * 4, id="uneven"),
                                   pytest.param([1.0, 1.0, -1.0, -1.0], id="rank-1-gets-nothing",
                                                marks=pytest.mark.parallel_quick)])
@@ -77,7 +71,7 @@ def test_dispatch_and_combine_equal_one_process(bias, tmp_path):
     from parallel.ep_dispatch import check
 
     result = tmp_path / "result"
-    mp.spawn(check, args=(2, _free_port(), bias, str(result)), nprocs=2)
+    mp.spawn(check, args=(2, free_port(), bias, str(result)), nprocs=2)
     got = [(tmp_path / f"result.{r}").read_text().split() for r in range(2)]
     assert all(g[0] == "ok" for g in got)
     # Expert parameters with a gradient on each rank: all 6 on both, or none on rank 1.
@@ -91,7 +85,7 @@ def test_fsdp_runs_the_experts_any_rank_routed_to(tmp_path):
     from parallel.moe_fsdp_routing import check
 
     result = tmp_path / "result"
-    mp.spawn(check, args=(2, _free_port(), True, str(result)), nprocs=2)
+    mp.spawn(check, args=(2, free_port(), True, str(result)), nprocs=2)
     assert [(tmp_path / f"result.{r}").read_text().split() for r in range(2)] == [["ok"], ["ok"]]
 
 
@@ -102,7 +96,7 @@ def test_expert_copies_are_sharded_and_run_any_copy_routed_to(tmp_path):
     from parallel.ep_copies_routing import WORLD, check
 
     result = tmp_path / "result"
-    mp.spawn(check, args=(WORLD, _free_port(), str(result)), nprocs=WORLD)
+    mp.spawn(check, args=(WORLD, free_port(), str(result)), nprocs=WORLD)
     assert [(tmp_path / f"result.{r}").read_text().split() for r in range(WORLD)] == [["ok"]] * WORLD
 
 

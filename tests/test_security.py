@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from assay.errors import AssayError
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSAY = str(Path(sys.executable).parent / "assay")
@@ -53,12 +53,6 @@ def _listening(pids: list[int]) -> set[tuple[str, int]]:
     return found
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ui_home(tmp_path_factory) -> Path:
     """PREFECT_HOME for `assay ui`: the first start copies the UI into it, the second reuses it."""
@@ -70,7 +64,7 @@ def test_assay_ui_listens_on_loopback_unless_told_otherwise(ui_home, host):
     """`assay ui` started for real (a `prefect server start` child, 5-20 s): every socket it and its children
     listen on is on 127.0.0.1, and the UI is told that address; `--host` moves them all (127.0.0.2, another
     loopback address, so that the test itself exposes nothing)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PREFECT_HOME=str(ui_home))
     env.pop("PREFECT_API_URL", None)
     args = [ASSAY, "ui", "--port", str(port)] + (["--host", host] if host else [])
@@ -126,6 +120,35 @@ def test_a_local_dask_cluster_listens_on_loopback_only():
         started = _listening([os.getpid()]) - before
     assert any(port == dashboard_port for _, port in started), started
     assert len(started) >= 3 and {address for address, _ in started} == {"127.0.0.1"}, started
+
+
+def test_training_on_one_machine_listens_on_loopback_only(tmp_path):
+    """`assay train --nproc 2` (2 gloo ranks of a tiny model, 10-20 s): the launcher's store and the ranks' gloo
+    sockets listen on 127.0.0.1 only, for the whole run. `torchrun --standalone`, which launched them until
+    2026-12-03, hosts its stores on every interface."""
+    import yaml
+
+    from corpus import stdlib_documents, write_documents
+
+    data = write_documents(tmp_path / "data", stdlib_documents(12), source="stdlib")
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": {
+        "model": {"dim": 32, "n_layers": 2, "n_heads": 2, "ffn_hidden": 64}, "vocab_size": 320, "seq_len": 32,
+        "batch_size": 4, "steps": 30, "lr": 1e-2, "warmup_steps": 2, "checkpoint_every": 30, "device": "cpu"}}))
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    run = subprocess.Popen([ASSAY, "--params", str(params), "train", "--data", str(data), "--out",
+                            str(tmp_path / "run"), "--nproc", "2", "--dp-shard", "2"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    before, seen = _listening([os.getpid()]), set()
+    try:
+        while run.poll() is None:  # every socket any process of the run listens on, while it runs
+            seen |= _listening([run.pid]) - before
+    finally:
+        output = run.communicate(timeout=600)[0]
+    assert run.returncode == 0, output[-4000:]
+    # The store, and at least one gloo listener a rank (gloo opens one per rank).
+    assert len(seen) >= 3, (seen, output[-2000:])
+    assert {address for address, _ in seen} == {"127.0.0.1"}, seen
 
 
 # --- nothing a user passes is unpickled -------------------------------------------------------

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ports import free_port
 from test_dvc_and_demo import dvc_repo  # noqa: F401  (the temporary git + DVC repository with tiny params)
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "assay-test"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _call(api: str, method: str, path: str, body: dict | None = None, tries: int = 5):
@@ -110,7 +104,7 @@ def _stop(proc: subprocess.Popen, log: Path, sig: int = signal.SIGINT, timeout: 
 @pytest.mark.slow
 def test_ui_serves_stage_and_pipeline_runs(dvc_repo, tmp_path):  # noqa: F811
     repo, env = dvc_repo
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = dict(env, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_RUNNER_POLL_FREQUENCY="1",
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
@@ -204,7 +198,7 @@ def test_serve_without_a_server_says_what_to_do(tmp_path):
                           timeout=120)
     assert proc.returncode == 1
     assert "PREFECT_API_URL is not set: start a server with `assay ui`" in proc.stderr
-    env["PREFECT_API_URL"] = f"http://127.0.0.1:{_free_port()}/api"
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{free_port()}/api"
     proc = subprocess.run([str(BIN / "assay"), "serve"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "no Prefect server answers at PREFECT_API_URL=" in proc.stderr

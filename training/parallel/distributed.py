@@ -1,4 +1,4 @@
-"""Start and stop the process group of a torchrun-launched run.
+"""Start and stop the process group of a launched run (torchrun, or ``local_launch`` with its environment).
 
 The backend string ``cpu:gloo,cuda:nccl`` lets CPU-side collectives (object broadcasts,
 the loss all-reduce of a CPU tensor) use gloo while GPU tensors use NCCL. A CPU-only
@@ -76,7 +76,7 @@ def backend_string() -> str:
 
 
 def init_distributed() -> Distributed:
-    """Join the group torchrun set up (env://); a plain process is rank 0 of 1 with no group."""
+    """Join the group the launcher set up (env://); a plain process is rank 0 of 1 with no group."""
     if not launched_by_torchrun():
         return Distributed(0, 1, 0)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -90,7 +90,7 @@ def init_distributed() -> Distributed:
 def _attempt_store() -> dict[str, Any]:
     """A key space of its own for each elastic attempt.
 
-    torchrun's agent hosts one store for the whole job. Measured here (torch 2.13, gloo):
+    torchrun's agent hosts one store for the whole job, and ``local_launch`` does the same. Measured here (torch 2.13, gloo):
     a group restarted after a rank died often hung in its first collective or was refused a
     connection, its ranks reading addresses the previous attempt had published under the
     same keys. Prefixing the keys with the attempt number made every restart form (3 of 3

@@ -1,7 +1,9 @@
-"""``assay train --nproc N``: the torchrun command that runs the trainer on N ranks.
+"""``assay train --nproc N``: the command that runs the trainer on N ranks.
 
-One machine: ``torchrun --standalone``. Several: the usual rendezvous flags
-(``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-id``), run on every node. Each rank
+One machine: ``training.parallel.local_launch``, which keeps every socket on 127.0.0.1
+(``torchrun --standalone``'s stores listen on every interface). Several: torchrun with
+the usual rendezvous flags (``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-id``), run on
+every node. Each rank
 gets one CPU thread unless OMP_NUM_THREADS is set: N ranks of the default (all
 cores each) on a 2-core machine thrash.
 """
@@ -28,16 +30,15 @@ class Launch:
     parallel: dict = field(default_factory=dict)
 
     def command(self, worker_args: list[str]) -> list[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc}",
-               f"--max-restarts={self.max_restarts}"]
+        rank = ["-m", "training.parallel.worker", "--parallel", json.dumps(self.parallel), *worker_args]
         if self.rdzv_endpoint is None:
             if self.nnodes != "1":
                 raise ValueError("--nnodes > 1 needs --rdzv-endpoint host:port (the same on every node)")
-            cmd.append("--standalone")
-        else:
-            cmd += [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
-                    f"--rdzv-id={self.rdzv_id}"]
-        return cmd + ["-m", "training.parallel.worker", "--parallel", json.dumps(self.parallel), *worker_args]
+            return [sys.executable, "-m", "training.parallel.local_launch", f"--nproc={self.nproc}",
+                    f"--max-restarts={self.max_restarts}", "--", *rank]
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc}",
+                f"--max-restarts={self.max_restarts}", f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}", *rank]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -46,5 +47,5 @@ class Launch:
 
 
 def launch(spec: Launch, worker_args: list[str]) -> int:
-    """Run torchrun in the foreground, its output streamed; returns its exit code."""
+    """Run the launcher in the foreground, its output streamed; returns its exit code."""
     return subprocess.run(spec.command(worker_args), env=spec.environment(), check=False).returncode

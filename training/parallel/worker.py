@@ -1,4 +1,7 @@
-"""The process torchrun starts on every rank: ``python -m training.parallel.worker``.
+"""The process the launcher starts on every rank: ``python -m training.parallel.worker``.
+
+The launcher is ``training.parallel.local_launch`` on one machine, torchrun across machines;
+both give it torchrun's environment.
 
 It trains exactly as ``assay train`` does in one process (``training.trainer.train``),
 with params.yaml's ``train.parallel`` overridden by the launcher's flags. No Prefect
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     resume, overwrite = args.resume, args.overwrite
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted:
-        # torchrun restarted the group after a rank died: continue from the last checkpoint
+        # The launcher restarted the group after a rank died: continue from the last checkpoint
         # (or start again if the first attempt died before writing one), with no person involved.
         resume = latest_checkpoint(args.out) is not None
         overwrite = not resume

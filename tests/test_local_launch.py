@@ -1,0 +1,86 @@
+"""training.parallel.local_launch: one machine's ranks as one group, restarted together, stopped together.
+
+Real processes and a real gloo group (2 ranks, a few seconds each). The launcher's sockets are
+checked in tests/test_security.py; its use by `assay train` in tests/test_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+PROBE = Path(__file__).parent / "parallel" / "launch_probe.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(out: Path, *args: str, mode: str = "") -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    cmd = [sys.executable, "-m", "training.parallel.local_launch", "--nproc", "2", *args, "--", str(PROBE), str(out)]
+    return subprocess.Popen(cmd + ([mode] if mode else []), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _reports(out: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+
+
+def test_the_ranks_get_torchruns_environment_and_form_one_group(tmp_path):
+    proc = _launch(tmp_path)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output
+    reports = _reports(tmp_path)
+    assert set(reports) == {"rank-0-attempt-0", "rank-1-attempt-0"}
+    for rank in (0, 1):
+        r = reports[f"rank-{rank}-attempt-0"]
+        assert (r["RANK"], r["LOCAL_RANK"], r["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert r["MASTER_ADDR"] == "127.0.0.1" and r["GLOO_SOCKET_IFNAME"] == "lo"
+        assert r["sum"] == 3.0  # 1 + 2: the all-reduce ran over both ranks
+    assert reports["rank-0-attempt-0"]["TORCHELASTIC_RUN_ID"] == reports["rank-1-attempt-0"]["TORCHELASTIC_RUN_ID"]
+
+
+def test_a_failed_rank_restarts_the_whole_group_until_restarts_run_out(tmp_path):
+    again, once = tmp_path / "again", tmp_path / "once"
+    again.mkdir(), once.mkdir()
+    restarted = _launch(again, "--max-restarts", "1", mode="fail-once")
+    output = restarted.communicate(timeout=300)[0]
+    assert restarted.returncode == 0, output
+    assert "restarting the group (1 of 1)" in output
+    # Attempt 1 formed a new group on the same store (its keys prefixed by the attempt) and finished.
+    assert {"rank-0-attempt-1", "rank-1-attempt-1"} <= set(_reports(again))
+    assert all(r["sum"] == 3.0 for r in _reports(again).values())
+
+    final = _launch(once, mode="fail-once")
+    output = final.communicate(timeout=300)[0]
+    assert final.returncode == 3, output  # the failed rank's code, not a generic one
+    assert "no restarts left" in output
+    assert not any(name.endswith("attempt-1") for name in _reports(once))
+
+
+def test_sigterm_stops_every_rank(tmp_path):
+    proc = _launch(tmp_path, mode="hang")
+    deadline = time.monotonic() + 120
+    while len(_reports(tmp_path)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    ranks = [r["pid"] for r in _reports(tmp_path).values()]
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert not [pid for pid in ranks if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_help_explains_and_a_missing_command_is_refused():
+    done = subprocess.run([sys.executable, "-m", "training.parallel.local_launch", "--help"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 0 and "127.0.0.1" in done.stdout and "--max-restarts" in done.stdout
+    missing = subprocess.run([sys.executable, "-m", "training.parallel.local_launch", "--nproc", "2"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "give the rank's command after --" in missing.stderr
