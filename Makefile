@@ -62,7 +62,7 @@ test-slow: install-engines
 	$(PYTHON) -m pytest -m "slow and not parallel" $(PYTEST_ARGS); rc=$$?; \
 	rm -rf "$$PREFECT_HOME"; exit $$rc
 
-# Every parallel mode against one process, with real torchrun ranks on gloo (slower).
+# Every parallel mode against one process, with real ranks on gloo (torchrun and assay train's own launcher; slower).
 test-parallel: install
 	$(PYTHON) -m pytest -m parallel $(PYTEST_ARGS)
 
