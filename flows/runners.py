@@ -6,6 +6,8 @@ same flow runs on a cluster without code changes; they are optional installs.
 
 from __future__ import annotations
 
+import warnings
+
 from assay.config import FlowParams
 from assay.errors import AssayError
 
@@ -31,5 +33,12 @@ def task_runner(params: FlowParams):
             from prefect_ray import RayTaskRunner
         except ImportError:
             raise AssayError("flow.task_runner=ray needs `pip install prefect-ray`") from None
-        return RayTaskRunner(address=params.address) if params.address else RayTaskRunner()
+        if params.address:
+            return RayTaskRunner(address=params.address)
+        # A local Ray's gcs_server, raylet and workers listen on every interface, and Ray 2.60 has no
+        # setting to keep them on 127.0.0.1 (RELIABILITY.md, measured): say so where the user chose it.
+        warnings.warn("flow.task_runner=ray without flow.address starts a local Ray whose servers listen on every "
+                      "network interface (Ray has no loopback-only setting); to choose where they listen, start "
+                      "Ray yourself (`ray start --head --node-ip-address ...`) and set flow.address", stacklevel=2)
+        return RayTaskRunner()
     raise AssayError(f"params: flow.task_runner = {kind!r}; expected threads, dask or ray")

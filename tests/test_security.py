@@ -122,6 +122,23 @@ def test_a_local_dask_cluster_listens_on_loopback_only():
     assert len(started) >= 3 and {address for address, _ in started} == {"127.0.0.1"}, started
 
 
+@pytest.mark.slow  # needs the engines' extra, which `make test-slow` installs and `make test` does not
+def test_a_local_ray_is_announced_as_listening_on_every_interface():
+    """A local Ray cannot be kept on 127.0.0.1 (Ray 2.60's servers take no bind address; RELIABILITY.md): choosing
+    one without flow.address warns, and names the way out. A cluster the user names is not warned about."""
+    import warnings
+
+    pytest.importorskip("prefect_ray")
+    from assay.config import FlowParams
+    from flows.runners import task_runner
+
+    with pytest.warns(UserWarning, match="listen on every network interface.*set flow.address"):
+        task_runner(FlowParams(task_runner="ray"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        task_runner(FlowParams(task_runner="ray", address="ray://head:10001"))
+
+
 def test_training_on_one_machine_listens_on_loopback_only(tmp_path):
     """`assay train --nproc 2` (2 gloo ranks of a tiny model, 10-20 s): the launcher's store and the ranks' gloo
     sockets listen on 127.0.0.1 only, for the whole run. `torchrun --standalone`, which launched them until
