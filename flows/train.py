@@ -24,8 +24,9 @@ def train_flow(data: str, out: str, rev: str | None = None, resume: bool = False
                max_restarts: int = 0) -> dict:
     """Train a decoder LM on DATA (as committed at REV, through DVC) into OUT, with per-document telemetry.
 
-    NPROC > 1 launches that many ranks (on one machine every socket on 127.0.0.1; torchrun across machines), laid out by PARALLEL (overrides of
-    params.yaml's train.parallel); this flow run waits for them and reads their metrics.
+    NPROC > 1 launches that many ranks (on one machine every socket on 127.0.0.1; torchrun across
+    machines), laid out by PARALLEL (overrides of params.yaml's train.parallel); this flow run waits
+    for them and reads their metrics.
     """
     params = load_params(params_file).train
     if steps is not None:

@@ -84,3 +84,6 @@ def test_help_explains_and_a_missing_command_is_refused():
     missing = subprocess.run([sys.executable, "-m", "training.parallel.local_launch", "--nproc", "2"],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "give the rank's command after --" in missing.stderr
+    none = subprocess.run([sys.executable, "-m", "training.parallel.local_launch", "--nproc", "0", "--", "x.py"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert none.returncode == 2 and "--nproc must be at least 1" in none.stderr and "Traceback" not in none.stderr

@@ -90,11 +90,11 @@ def init_distributed() -> Distributed:
 def _attempt_store() -> dict[str, Any]:
     """A key space of its own for each elastic attempt.
 
-    torchrun's agent hosts one store for the whole job, and ``local_launch`` does the same. Measured here (torch 2.13, gloo):
-    a group restarted after a rank died often hung in its first collective or was refused a
-    connection, its ranks reading addresses the previous attempt had published under the
-    same keys. Prefixing the keys with the attempt number made every restart form (3 of 3
-    toy runs, where the plain init hung).
+    torchrun's agent hosts one store for the whole job, and ``local_launch`` does the same.
+    Measured here (torch 2.13, gloo): a group restarted after a rank died often hung in its
+    first collective or was refused a connection, its ranks reading addresses the previous
+    attempt had published under the same keys. Prefixing the keys with the attempt number
+    made every restart form (3 of 3 toy runs, where the plain init hung).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}

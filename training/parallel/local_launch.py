@@ -74,7 +74,8 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _attempt(command: list[str], nproc: int, port: int, attempt: int, max_restarts: int, run_id: str) -> int:
-    """Start every rank; 0 when all finish cleanly, else the first failure's exit code."""
+    """Start every rank; 0 when all finish cleanly, else a failed rank's exit code (the lowest
+    rank's when several have failed by the time the launcher looks)."""
     procs = [subprocess.Popen(command, env=rank_environment(dict(os.environ), rank, nproc, port, attempt,
                                                             max_restarts, run_id))
              for rank in range(nproc)]
@@ -96,10 +97,10 @@ def _attempt(command: list[str], nproc: int, port: int, attempt: int, max_restar
 def run_ranks(command: list[str], nproc: int, max_restarts: int = 0) -> int:
     """Run ``command`` as ranks 0..nproc-1 of one group, restarting the group on failure.
 
-    Returns 0, or the exit code of the last attempt's first failed rank.
+    Returns 0, or the exit code of a failed rank of the last attempt.
     """
-    if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if nproc < 1 or max_restarts < 0:
+        raise ValueError(f"need nproc >= 1 and max_restarts >= 0, got {nproc} and {max_restarts}")
     listener = socket.create_server((LOOPBACK, 0), backlog=max(128, nproc))
     port = listener.getsockname()[1]
     # The store lives in this process for the whole run, as torchrun's agent store does. It
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m training.parallel.local_launch",
         description="Run N ranks of a torch.distributed program on this machine, every socket on 127.0.0.1. "
-                    "Everything after -- is the Python command line of one rank (e.g. -m training.parallel.worker ...).")
+                    "Everything after -- is the Python command line of one rank "
+                    "(e.g. -m training.parallel.worker ...).")
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="times to restart the whole group after a rank fails (default 0)")
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     rank_args = args.rank_args[1:] if args.rank_args[:1] == ["--"] else args.rank_args
     if not rank_args:
         parser.error("give the rank's command after --, e.g. -- -m training.parallel.worker --data ...")
+    if args.nproc < 1 or args.max_restarts < 0:
+        parser.error(f"--nproc must be at least 1 and --max-restarts at least 0 "
+                     f"(got {args.nproc}, {args.max_restarts})")
     return run_ranks([sys.executable, *rank_args], args.nproc, args.max_restarts)
 
 
