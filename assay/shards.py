@@ -35,6 +35,9 @@ SHARD_PATTERN = re.compile(r"^part-(\d{5,})\.parquet$")
 DECISIONS_DIR = "decisions"
 QUARANTINE_DIR = "quarantine"
 MANIFEST = "manifest.json"
+#: Where a stage stages its units until the commit (assay.staging); a dataset holding it and no
+#: manifest is still being written, or its stage was stopped before finishing.
+STAGING_DIR = ".staging"
 COMPRESSION = "zstd"
 TMP_MARKER = ".tmp-"
 
@@ -236,10 +239,24 @@ def list_shards(directory: str | os.PathLike) -> list[Path]:
     return sorted(p for p in directory.iterdir() if SHARD_PATTERN.match(p.name))
 
 
+def require_complete(directory: str | os.PathLike) -> None:
+    """Refuse a dataset whose stage has not finished it.
+
+    A commit renames the staged parts into place one by one and writes the manifest last, so
+    until then a listing shows some parts and not others, each whole. Call this before listing:
+    once the manifest exists, every part is in place.
+    """
+    directory = Path(directory)
+    if (directory / STAGING_DIR).is_dir() and not (directory / MANIFEST).is_file():
+        raise AssayError(f"{directory}: incomplete: a stage is still writing it, or was stopped before it "
+                         f"finished ({STAGING_DIR}/ and no {MANIFEST}); wait for it, or rerun that stage")
+
+
 def require_dataset(directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     if not directory.is_dir():
         raise AssayError(f"{directory}: no such dataset directory")
+    require_complete(directory)
     if not (directory / MANIFEST).is_file() and not list_shards(directory):
         raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
     return directory

@@ -33,6 +33,7 @@ from assay.shards import (
     DECISIONS_DIR,
     MANIFEST,
     QUARANTINE_DIR,
+    STAGING_DIR,
     ShardWriter,
     atomic_write_json,
     remove_temporaries,
@@ -40,7 +41,6 @@ from assay.shards import (
     write_manifest,
 )
 
-STAGING_DIR = ".staging"
 DONE = "done.json"
 
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from assay.errors import AssayError
 from assay.schema import DOCUMENT_SCHEMA
-from assay.shards import MANIFEST, SHARD_PATTERN, open_shard, shard_batches
+from assay.shards import MANIFEST, SHARD_PATTERN, open_shard, require_complete, shard_batches
 
 __all__ = ["DatasetVersion", "open_version"]
 
@@ -124,6 +124,8 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
         if rev is not None:
             raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
         return _plain(given, absolute, commit)
+    if rev is None:  # the workspace: a stage may be writing it now
+        require_complete(absolute)
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
@@ -141,6 +143,7 @@ def _commit(fs: Any, rev: str | None) -> str | None:
 def _plain(given: str, absolute: Path, commit: str | None = None) -> DatasetVersion:
     if not absolute.is_dir():
         raise AssayError(f"{given} is not a directory")
+    require_complete(absolute)
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards")

@@ -6,8 +6,9 @@ watching their folders, which cannot land inside the commit (milliseconds long).
 process runs the commit with `os.replace` (or the staging removal) wrapped to SIGKILL itself at a
 chosen call, for every call in turn, and a rerun does what a stage's rerun does (`prepare`, then
 `commit` unless the dataset is complete). Checked after each kill: every part a reader can list is
-a whole shard, and the manifest is absent until every part is in place; after the rerun, the folder
-equals an uninterrupted commit's, file by file and byte by byte, with no staging area left.
+a whole shard, the manifest is absent until every part is in place, and the readers' entry points
+(`require_dataset`, `open_version`) refuse the incomplete set; after the rerun, the folder equals an
+uninterrupted commit's, file by file and byte by byte, with no staging area left.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from assay.errors import AssayError
 from assay.schema import DOCUMENT_SCHEMA
-from assay.shards import MANIFEST
+from assay.shards import MANIFEST, require_dataset
 from assay.staging import STAGING_DIR, UnitWriter, commit, prepare
+from assay.versions import open_version
 
 FINGERPRINT = "test-fingerprint"
 UNITS = ["unit-a", "unit-b", "unit-c"]
@@ -98,6 +101,18 @@ def _readers_view_is_whole(out: Path) -> None:
         assert all((out / s).is_file() for s in shards)
 
 
+def _readers_refuse(out: Path) -> None:
+    """Until the manifest, a stage's readers refuse the folder, naming why, rather than read some parts."""
+    for read in (require_dataset, open_version):
+        with pytest.raises(AssayError, match="incomplete: a stage is still writing it"):
+            read(out)
+
+
+def _readers_read_every_part(out: Path) -> None:
+    require_dataset(out)
+    assert len(open_version(out).shards) == 2 + 3 + 4
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[dict[str, str], int]:
     """An uninterrupted commit's files, and how many renames it made."""
@@ -119,8 +134,10 @@ def test_a_commit_killed_after_any_rename_is_finished_by_the_rerun(reference, tm
         assert _commit_in_child(out, "replace", n) == -signal.SIGKILL, n
         assert not (out / MANIFEST).exists(), n  # the set is incomplete until the manifest appears
         _readers_view_is_whole(out)
+        _readers_refuse(out)
         _rerun(out)
         assert _contents(out) == want, n
+        _readers_read_every_part(out)
 
 
 def test_a_commit_killed_after_its_manifest_leaves_no_staging_area_behind(reference, tmp_path):
@@ -133,5 +150,6 @@ def test_a_commit_killed_after_its_manifest_leaves_no_staging_area_behind(refere
     assert _commit_in_child(out, "rmtree", 1) == -signal.SIGKILL
     assert (out / MANIFEST).is_file() and (out / STAGING_DIR).is_dir()
     _readers_view_is_whole(out)
+    _readers_read_every_part(out)  # every part is in place once the manifest is
     _rerun(out)
     assert _contents(out) == want
