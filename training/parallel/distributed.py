@@ -65,7 +65,8 @@ class Distributed:
         return total
 
 
-def launched_by_torchrun() -> bool:
+def launched_as_a_rank() -> bool:
+    """True under torchrun or local_launch (both set torchrun's environment)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -77,7 +78,7 @@ def backend_string() -> str:
 
 def init_distributed() -> Distributed:
     """Join the group the launcher set up (env://); a plain process is rank 0 of 1 with no group."""
-    if not launched_by_torchrun():
+    if not launched_as_a_rank():
         return Distributed(0, 1, 0)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -40,7 +41,7 @@ LOOPBACK = "127.0.0.1"
 _GRACE_S = 10.0  # how long a stopped rank gets to exit on SIGTERM before SIGKILL
 
 
-def rank_environment(base: dict[str, str], rank: int, nproc: int, port: int, attempt: int, max_restarts: int,
+def rank_environment(base: Mapping[str, str], rank: int, nproc: int, port: int, attempt: int, max_restarts: int,
                      run_id: str) -> dict[str, str]:
     """The environment torchrun would give rank ``rank`` of a one-machine group."""
     env = dict(base)
@@ -76,7 +77,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def _attempt(command: list[str], nproc: int, port: int, attempt: int, max_restarts: int, run_id: str) -> int:
     """Start every rank; 0 when all finish cleanly, else a failed rank's exit code (the lowest
     rank's when several have failed by the time the launcher looks)."""
-    procs = [subprocess.Popen(command, env=rank_environment(dict(os.environ), rank, nproc, port, attempt,
+    procs = [subprocess.Popen(command, env=rank_environment(os.environ, rank, nproc, port, attempt,
                                                             max_restarts, run_id))
              for rank in range(nproc)]
     try:
