@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                        allow_data_change=args.allow_data_change, device=args.device, on_step=report_recovery)
         # Every rank past its last collective before any tears its group down: once (1 of 53 parallel
         # tests in a loaded CI run) rank 0 aborted in teardown ("terminate called without an active
-        # exception") after a DDP run had finished and written everything.
+        # exception") after a DDP run had finished and written everything. The barrier made it rarer,
+        # not impossible: seen again 2026-12-03 (rank 1 of a DDP + ZeRO-1 test, `make test` beside
+        # `make test-slow`), after the run's output was complete; its cause is not found.
         world.barrier()
         if world.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.metrics["final_loss"],
