@@ -9,17 +9,23 @@ Layout of a dataset directory::
 
 Every file is written under a temporary name and renamed into place, so a
 reader sees a shard whole or not at all, and a killed writer leaves only
-temporary files that the next run removes. Readers stream record batches and
-never hold a whole dataset in memory.
+temporary files that the next run removes. A stage builds its whole dataset in
+a staging folder beside it and publishes it with one rename
+(:func:`publish_directory`), so a reader of the folder, Assay's or any other,
+finds the previous dataset or the new one, never a mix. Readers stream record
+batches and never hold a whole dataset in memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import io
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,9 +41,10 @@ SHARD_PATTERN = re.compile(r"^part-(\d{5,})\.parquet$")
 DECISIONS_DIR = "decisions"
 QUARANTINE_DIR = "quarantine"
 MANIFEST = "manifest.json"
-#: Where a stage stages its units until the commit (assay.staging); a dataset holding it and no
-#: manifest is still being written, or its stage was stopped before finishing.
-STAGING_DIR = ".staging"
+#: A stage works in ``.NAME.staging`` beside its output NAME (:func:`staging_dir`) until it
+#: publishes the finished dataset; while that folder exists and NAME has no manifest, the
+#: stage is still writing, or was stopped before finishing.
+STAGING_SUFFIX = ".staging"
 COMPRESSION = "zstd"
 TMP_MARKER = ".tmp-"
 
@@ -94,6 +101,63 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def staging_dir(directory: str | os.PathLike) -> Path:
+    """Where a stage builds `directory` before publishing it: ``.NAME.staging`` beside it.
+
+    Beside, not inside: the dataset folder must be replaced in one rename, and a folder cannot
+    be swapped with one inside it. The same filesystem, so that rename is possible at all (beside
+    where a symlinked `directory` points).
+    """
+    path = Path(os.path.realpath(directory))
+    return path.parent / f".{path.name}{STAGING_SUFFIX}"
+
+
+# renameat2(2)'s flag: swap two existing paths in one step (Linux 3.15+, on most local filesystems).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders atomically; False where the platform or filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_directory(built: str | os.PathLike, target: str | os.PathLike, set_aside: str | os.PathLike) -> None:
+    """Put the finished folder `built` at `target` so that a reader lists the old folder or the
+    new one, never some files of each.
+
+    A missing or empty `target` is replaced by one rename; a previous dataset is swapped out in
+    one step (renameat2's exchange) and then deleted. Where the filesystem cannot swap, the
+    previous dataset is first moved to `set_aside` (inside the staging folder), so readers see
+    no folder for an instant, still never a mix; a kill between the two renames leaves the new
+    folder staged, and the rerun's commit publishes it.
+    """
+    built, target, set_aside = Path(built), Path(os.path.realpath(target)), Path(set_aside)
+    try:
+        os.rename(built, target)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if _exchange(built, target):
+        shutil.rmtree(built)  # now the previous dataset
+        return
+    shutil.rmtree(set_aside, ignore_errors=True)
+    os.rename(target, set_aside)
+    os.rename(built, target)
+    shutil.rmtree(set_aside)
 
 
 def remove_temporaries(directory: str | os.PathLike) -> int:
@@ -240,23 +304,25 @@ def list_shards(directory: str | os.PathLike) -> list[Path]:
 
 
 def require_complete(directory: str | os.PathLike) -> None:
-    """Refuse a dataset whose stage has not finished it.
+    """Refuse a dataset that a stage has begun and not yet published, naming why.
 
-    A commit renames the staged parts into place one by one and writes the manifest last, so
-    until then a listing shows some parts and not others, each whole. Call this before listing:
-    once the manifest exists, every part is in place.
+    A published dataset is whole (:func:`publish_directory`); a previous version stays readable
+    while its successor is built. What is refused is a first run still under way, or stopped:
+    no manifest here, and the stage's staging folder beside it.
     """
     directory = Path(directory)
-    if (directory / STAGING_DIR).is_dir() and not (directory / MANIFEST).is_file():
+    staging = staging_dir(directory)
+    if not (directory / MANIFEST).is_file() and staging.is_dir():
         raise AssayError(f"{directory}: incomplete: a stage is still writing it, or was stopped before it "
-                         f"finished ({STAGING_DIR}/ and no {MANIFEST}); wait for it, or rerun that stage")
+                         f"finished (its work is in {staging}, and it has published nothing yet); wait for "
+                         "it, or rerun that stage")
 
 
 def require_dataset(directory: str | os.PathLike) -> Path:
     directory = Path(directory)
+    require_complete(directory)
     if not directory.is_dir():
         raise AssayError(f"{directory}: no such dataset directory")
-    require_complete(directory)
     if not (directory / MANIFEST).is_file() and not list_shards(directory):
         raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
     return directory

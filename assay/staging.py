@@ -1,15 +1,19 @@
-"""Resumable stage output: each task writes a staged unit, then one commit.
+"""Resumable stage output: each task writes a staged unit, then one commit publishes the dataset.
 
 A stage splits its input into units (files, groups of files, shards) and
 runs one task per unit. A task writes its documents, decisions and
-quarantined records under ``OUT/.staging/<unit>/`` and, last of all, a
-``done.json``. A unit with ``done.json`` is finished and is never redone, so
-rerunning a killed stage resumes where it stopped.
+quarantined records under ``.OUT.staging/<unit>/`` (beside OUT:
+:func:`assay.shards.staging_dir`) and, last of all, a ``done.json``. A unit
+with ``done.json`` is finished and is never redone, so rerunning a killed
+stage resumes where it stopped.
 
 When every unit is done, :func:`commit` renames the staged files into the
-dataset's ``part-NNNNN.parquet`` sequence, in unit order, and writes the
-manifest. Renames are atomic and the part numbers are computed from the
-``done.json`` files, so a commit killed halfway is finished by the next run.
+dataset's ``part-NNNNN.parquet`` sequence, in unit order, inside
+``.OUT.staging/dataset/``, writes the manifest there, and publishes that folder
+at OUT in one step (:func:`assay.shards.publish_directory`). Renames are atomic
+and the part numbers are computed from the ``done.json`` files, so a commit
+killed halfway is finished by the next run, and OUT holds the previous dataset,
+or none, until the new one is whole.
 """
 
 from __future__ import annotations
@@ -33,15 +37,20 @@ from assay.shards import (
     DECISIONS_DIR,
     MANIFEST,
     QUARANTINE_DIR,
-    STAGING_DIR,
     ShardWriter,
     atomic_write_json,
+    publish_directory,
     remove_temporaries,
     shard_name,
+    staging_dir,
     write_manifest,
 )
 
 DONE = "done.json"
+#: The staging folder's entries besides the units: the dataset as the commit builds it (stages
+#: may write into it first, e.g. dedup's local vector index), a previous dataset set aside while
+#: publishing, and the fingerprint of the inputs the staged units belong to.
+BUILT, SET_ASIDE, FINGERPRINT = "dataset", "previous", "fingerprint"
 
 
 def _staged_name(prefix: str):
@@ -74,7 +83,7 @@ class UnitWriter:
     def __init__(self, out_dir: str | os.PathLike, unit: str, doc_schema: pa.Schema, *, target_bytes: int,
                  extra: dict[str, pa.Schema] | None = None):
         self.unit = unit
-        self.path = Path(out_dir) / STAGING_DIR / unit
+        self.path = staging_dir(out_dir) / unit
         if self.path.exists():  # a killed earlier attempt: start the unit over
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
@@ -127,23 +136,29 @@ class UnitWriter:
 
 def finished_unit(out_dir: str | os.PathLike, unit: str) -> UnitResult | None:
     """The result of a unit finished by an earlier run, or None."""
-    done = Path(out_dir) / STAGING_DIR / unit / DONE
+    done = staging_dir(out_dir) / unit / DONE
     if not done.is_file():
         return None
     data = json.loads(done.read_text())
     return UnitResult(**data, skipped=True)
 
 
+def building(out_dir: str | os.PathLike) -> Path:
+    """The folder a stage's commit turns into `out_dir`; a stage writes there what is not a unit's."""
+    return staging_dir(out_dir) / BUILT
+
+
 def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = False) -> bool:
-    """Get `out_dir` ready for a run; returns True when it is already complete.
+    """Get `out_dir`'s staging folder ready for a run; returns True when `out_dir` is already complete.
 
     - a finished dataset with the same fingerprint (inputs + params) is kept;
-    - a finished dataset of other inputs is replaced only with `overwrite`, so
-      that a typo in --out cannot wipe a dataset;
-    - a folder that is not an Assay dataset is never written into;
-    - a staging area left by a killed run of the same inputs is resumed.
+    - a finished dataset of other inputs is replaced only with `overwrite`, so that a typo in
+      --out cannot wipe a dataset, and it stays readable until its successor is published;
+    - a folder that is not an Assay dataset is never replaced;
+    - a staging folder left by a killed run of the same inputs is resumed.
     """
     out = Path(out_dir)
+    staging = staging_dir(out)
     manifest = out / MANIFEST
     if manifest.is_file():
         try:
@@ -151,38 +166,35 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
         except json.JSONDecodeError:
             previous = None
         if previous == fingerprint:
-            # A commit killed after its manifest leaves its staging area inside the dataset
-            # folder, which DVC would hash with the data.
-            shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a commit killed after publishing leaves it
             return True
         if not overwrite:
             raise AssayError(
                 f"{out}: holds a finished dataset made from other inputs or params; "
                 "pass --overwrite to replace it"
             )
-        shutil.rmtree(out)
-    elif out.is_dir() and any(out.iterdir()) and not (out / STAGING_DIR).is_dir():
+    elif out.is_dir() and any(out.iterdir()):
         raise AssayError(f"{out}: exists and is not an Assay dataset; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / STAGING_DIR
-    marker = staging / "fingerprint"
+    marker = staging / FINGERPRINT
     if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
         shutil.rmtree(staging)  # staged units of other inputs cannot be resumed
-    staging.mkdir(exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)
     marker.write_text(fingerprint)
-    remove_temporaries(out)
+    remove_temporaries(staging)
     return False
 
 
 def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str, Any]) -> dict[str, Any]:
-    """Move every staged unit into place, in `units` order, then write the manifest.
+    """Move every staged unit into the built dataset, in `units` order, write its manifest, then
+    publish it at `out_dir`.
 
     Documents become ``part-NNNNN.parquet``; every other stream goes to a
     folder of its name (``decisions/``, ``quarantine/``, ``embeddings/``…).
     Returns the manifest with the `shards` list filled in.
     """
     out = Path(out_dir)
-    staging = out / STAGING_DIR
+    staging = staging_dir(out)
+    built = building(out)
     counters: Counter[str] = Counter()
     shards = []
     for unit in units:
@@ -190,7 +202,7 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
         if result is None:
             raise RuntimeError(f"unit {unit} is not finished; cannot commit")
         for stream, names in result.files.items():
-            folder = out if stream == DOCS else out / stream
+            folder = built if stream == DOCS else built / stream
             for name in names:
                 dest = folder / shard_name(counters[stream])
                 counters[stream] += 1
@@ -202,7 +214,9 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
                     raise RuntimeError(f"staged file {src} vanished before commit")
                 if stream == DOCS:
                     shards.append(dest.name)
+    built.mkdir(parents=True, exist_ok=True)  # a stage whose units all came out empty
     manifest = dict(manifest, shards=shards)
-    write_manifest(out, manifest)
+    write_manifest(built, manifest)
+    publish_directory(built, out, staging / SET_ASIDE)
     shutil.rmtree(staging, ignore_errors=True)
     return manifest

@@ -101,6 +101,8 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
     """
     given = str(path)
     absolute = Path(path).resolve()
+    if rev is None:  # the workspace: a stage may be writing it now
+        require_complete(absolute)
     root = _dvc_root(absolute if absolute.exists() else absolute.parent)
     if root is None:
         if rev is not None:
@@ -124,8 +126,6 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
         if rev is not None:
             raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
         return _plain(given, absolute, commit)
-    if rev is None:  # the workspace: a stage may be writing it now
-        require_complete(absolute)
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
@@ -143,7 +143,6 @@ def _commit(fs: Any, rev: str | None) -> str | None:
 def _plain(given: str, absolute: Path, commit: str | None = None) -> DatasetVersion:
     if not absolute.is_dir():
         raise AssayError(f"{given} is not a directory")
-    require_complete(absolute)
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards")

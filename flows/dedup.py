@@ -28,7 +28,7 @@ from assay.stages.dedup import (
 )
 from assay.stages.graph import upsert_graph
 from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest
-from assay.staging import commit, prepare
+from assay.staging import building, commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
 
@@ -108,7 +108,8 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
         write_task.map([u.index for u in units], [u.shard for u in units], unmapped(out), unmapped(params),
                        [u.key for u in units], rows_of, unmapped(corpus), unmapped(verdicts)),
         f"dedup → {out}")
-    graph = graph_task(out, corpus, verdicts, vectors, params)
+    # The local index goes into the dataset being built, so it is published with the rest.
+    graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)
     extra = {"dedup": counts, "graph": graph}
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)

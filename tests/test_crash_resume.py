@@ -1,11 +1,12 @@
 """kill -9 at several moments of a stage run, then rerun: the output equals an uninterrupted run's.
 
 Each stage runs as a user runs it, through the `assay` CLI in its own process group, and is
-SIGKILLed at moments chosen by watching its output folder (its staging area, its committed
-parts), not by sleeping: early (staging prepared, nothing finished), mid-run (some units
+SIGKILLed at moments chosen by watching its staging folder beside the output (its finished
+units), not by sleeping: early (staging prepared, nothing finished), mid-run (some units
 finished), and late (all but one unit finished, or all of them with the commit next). The
 rerun is the stage's own command again, as dvc.yaml runs it. While the killed run's leftovers lie on disk, and at
-every poll of a running stage, every part-*.parquet a reader can list must be a whole shard.
+every poll of a running stage, every part-*.parquet a reader can list must be a whole shard, and the
+output folder, once it exists, must be a whole dataset: its manifest, and exactly the parts it names.
 
 The inputs (the ingested demo, both models, round 0 and every stage's uninterrupted output)
 are built once, by the same CLI, with tiny params and small shards so that each stage has
@@ -31,7 +32,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from assay.shards import SHARD_PATTERN, iter_batches, list_shards
+from assay.shards import SHARD_PATTERN, iter_batches, list_shards, staging_dir
+from assay.staging import building
 from corpus import tiny_pipeline_params
 
 pytestmark = pytest.mark.slow
@@ -115,9 +117,14 @@ def _visible_shards(out: Path) -> list[Path]:
 
 
 def _check_whole(out: Path, seen: set | None = None) -> int:
-    """Each listed shard opens and reads to its end (a vanished one was being replaced by --overwrite).
+    """The folder, when there is one, is a published dataset (its manifest and exactly the document parts it
+    names, never a commit's first parts), and each listed shard opens and reads to its end.
 
     `seen` holds the (path, inode, mtime) already read, so a poll reads only what is new."""
+    if out.is_dir():
+        listed = sorted(p.name for p in list_shards(out))
+        manifest = json.loads((out / "manifest.json").read_text())  # FileNotFoundError: a half-published set
+        assert listed == sorted(manifest["shards"]), f"{out}: parts {listed} against the manifest's {manifest['shards']}"
     whole = 0
     for shard in _visible_shards(out):
         try:
@@ -135,7 +142,7 @@ def _check_whole(out: Path, seen: set | None = None) -> int:
 
 
 def _staged_done(out: Path) -> int:
-    return len(list((out / ".staging").glob("*/done.json")))
+    return len(list(staging_dir(out).glob("*/done.json")))
 
 
 # --- kill points ------------------------------------------------------------------------
@@ -143,10 +150,10 @@ def _staged_done(out: Path) -> int:
 
 def _progress(stage: str, out: Path) -> dict[str, int]:
     if stage == "score":
-        # training/score.py writes its parts straight into OUT, each atomically, after its marker.
-        return {"started": int((out / ".score-fingerprint").is_file()), "done": len(list_shards(out)),
-                "committed": len(list_shards(out))}
-    return {"started": int((out / ".staging").is_dir()), "done": _staged_done(out),
+        # training/score.py writes its parts, each atomically, into the folder it publishes at the end.
+        return {"started": int((staging_dir(out) / ".score-fingerprint").is_file()),
+                "done": len(list_shards(building(out))), "committed": len(list_shards(out))}
+    return {"started": int(staging_dir(out).is_dir()), "done": _staged_done(out),
             "committed": len(list_shards(out))}
 
 
@@ -202,7 +209,7 @@ def _row_hashes(table: pa.Table) -> Counter[str]:
 
 
 def _assert_same_output(stage: str, out: Path, ref: Path) -> dict[str, int]:
-    assert not (out / ".staging").exists(), "the staging area outlived the commit"
+    assert not staging_dir(out).exists(), "the staging folder outlived the commit"
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name], "temporaries left behind"
     got, want = _streams(out), _streams(ref)
     assert sorted(got) == sorted(want)

@@ -220,7 +220,8 @@ def test_a_killed_run_resumes_from_finished_tasks(bad_corpus, tmp_path):
     from assay.ingest import fingerprint, options_from_params
     from assay.ingest.plan import plan
     from assay.ingest.readers import ingest_unit
-    from assay.staging import STAGING_DIR, prepare
+    from assay.shards import staging_dir
+    from assay.staging import prepare
 
     params_file = tmp_path / "params.yaml"
     params_file.write_text("ingest:\n  unit_bytes: 1\n")  # one task per file
@@ -234,13 +235,13 @@ def test_a_killed_run_resumes_from_finished_tasks(bad_corpus, tmp_path):
     prepare(out, fingerprint(units, options, params))
     for i in range(2):
         ingest_unit(i, units[i], str(out), options)
-    half = out / STAGING_DIR / "00002-half"
+    half = staging_dir(out) / "00002-half"
     half.mkdir()
     (half / ".docs-00000.parquet.tmp-1").write_bytes(b"PAR1 partial")
 
     manifest = ingest(sources, out, params_file=str(params_file))
     assert manifest["counts"]["units_resumed"] == 2
-    assert not (out / STAGING_DIR).exists()
+    assert not staging_dir(out).exists()
     clean = ingest(sources, tmp_path / "clean", params_file=str(params_file))
     assert sorted(d["id"] for d in documents(out)) == sorted(d["id"] for d in documents(tmp_path / "clean"))
     assert manifest["counts"]["documents"] == clean["counts"]["documents"]

@@ -478,18 +478,25 @@ class _Planted:
 
 @pytest.mark.parametrize("payload", ["truncated", "pickled-object"])
 def test_a_reference_cache_that_does_not_load_is_recomputed(tiny, scored, tmp_path, payload):
-    """A killed run leaves `.reference/step-N.pt` for the resume. One that does not load, a cut
-    file or one holding a pickled object (which weights_only refuses), is recomputed with a
-    warning: never trusted, never executed, and the redone part equals the original."""
-    from training.score import score_dataset
+    """A killed run leaves `.reference/step-N.pt` for the resume, in the folder it was building.
+    One that does not load, a cut file or one holding a pickled object (which weights_only
+    refuses), is recomputed with a warning: never trusted, never executed, and the redone part
+    equals the original."""
+    from assay.shards import staging_dir
+    from assay.staging import building
+    from training.score import _MARKER, score_dataset
 
     out = tmp_path / "scores"
-    shutil.copytree(scored["out"], out)
-    parts = sorted(out.glob("part-*.parquet"))
+    # What a run killed before its last part leaves: its parts and its marker, no manifest, nothing at OUT.
+    work = building(out)
+    shutil.copytree(scored["out"], work)
+    (staging_dir(out) / _MARKER).write_text(json.loads((work / "manifest.json").read_text())["fingerprint"])
+    (work / "manifest.json").unlink()
+    parts = sorted(work.glob("part-*.parquet"))
     victim = parts[0]
     original = pq.read_table(victim).to_pylist()
     victim.unlink()
-    cache = out / ".reference" / f"step-{10:08d}.pt"
+    cache = work / ".reference" / f"step-{10:08d}.pt"
     cache.parent.mkdir(exist_ok=True)
     marker = tmp_path / "unpickled"
     if payload == "truncated":
@@ -502,7 +509,7 @@ def test_a_reference_cache_that_does_not_load_is_recomputed(tiny, scored, tmp_pa
     with pytest.warns(UserWarning, match="reference-gradient cache does not load"):
         score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
     assert not marker.exists()
-    redone = pq.read_table(victim).to_pylist()
+    redone = pq.read_table(out / victim.name).to_pylist()
     assert [r["sample_id"] for r in redone] == [r["sample_id"] for r in original]
     for a, b in zip(redone, original):
         assert a["alignment"] == pytest.approx(b["alignment"], abs=1e-6)

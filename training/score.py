@@ -43,6 +43,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -64,7 +65,9 @@ from assay.config import ScoringParams, TrainModelParams, TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
 from assay.schema import SCORE_SCHEMA
-from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, list_shards, remove_temporaries, shard_name
+from assay.shards import (MANIFEST, atomic_write_bytes, atomic_write_json, publish_directory, remove_temporaries,
+                          shard_name, staging_dir)
+from assay.staging import SET_ASIDE, building
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
@@ -80,7 +83,7 @@ __all__ = ["REFERENCE_FILE", "adam_preconditioner", "read_scores", "score_datase
 
 REFERENCE_FILE = "reference.txt"
 FORMAT = "assay-scores/1"
-_MARKER = ".score-fingerprint"  # the fingerprint of the run that is writing OUT (before its manifest)
+_MARKER = ".score-fingerprint"  # the fingerprint of the run whose parts the staging folder holds
 _REFERENCE_SALT = "assay-score-reference"
 ALL = "all"
 
@@ -503,8 +506,13 @@ def _write_part(path: Path, table: pa.Table) -> None:
 
 
 # ------------------------------------------------------------------ output directory
-def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> dict | None:
-    """Returns the finished manifest when nothing is left to do; wipes other inputs' output."""
+def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> tuple[dict | None, Path]:
+    """The finished manifest when nothing is left to do, and the folder this run writes its parts in.
+
+    The parts are written in OUT's staging folder and published whole at the end
+    (assay.shards.publish_directory), so OUT holds the previous scores, or none, until then; a
+    killed run's parts are resumed when the fingerprint matches, dropped when it does not.
+    """
     manifest_path = out / MANIFEST
     previous = None
     if manifest_path.is_file():
@@ -514,26 +522,32 @@ def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> dict | None:
             previous = {}
         if previous.get("format") != FORMAT:
             raise AssayError(f"{out}: holds something other than scores; choose another --out")
-    marker = out / _MARKER
-    ours = previous is not None or marker.is_file()
-    if out.is_dir() and any(out.iterdir()) and not ours:
+    elif out.is_dir() and any(out.iterdir()):
         raise AssayError(f"{out}: exists and is not a scores directory; choose another --out")
-    same = (previous or {}).get("fingerprint") == fingerprint if previous is not None else (
-        marker.is_file() and marker.read_text() == fingerprint)
-    if ours and not same:
-        if previous is not None and not overwrite:
+    staging, work = staging_dir(out), building(out)
+    if previous is not None:
+        if previous.get("fingerprint") == fingerprint and all((out / s).is_file() for s in previous.get("shards", [])):
+            shutil.rmtree(staging, ignore_errors=True)  # a run killed after publishing leaves it
+            return previous, work
+        if previous.get("fingerprint") != fingerprint and not overwrite:
             raise AssayError(f"{out}: holds scores of other inputs or params; pass --overwrite to replace them")
-        for path in list_shards(out):  # a killed run of other inputs, or --overwrite
-            path.unlink()
-        for name in (MANIFEST, REFERENCE_FILE, _MARKER):
-            (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / ".reference", ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_temporaries(out)
-    if same and previous is not None and all((out / s).is_file() for s in previous.get("shards", [])):
-        return previous
+    marker = staging / _MARKER  # beside the parts, so it is never published with them
+    if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
+        shutil.rmtree(staging)  # a killed run of other inputs
+    work.mkdir(parents=True, exist_ok=True)
+    remove_temporaries(staging)
     atomic_write_bytes(marker, fingerprint.encode())
-    return None
+    if previous is not None and previous.get("fingerprint") == fingerprint:
+        # Parts of these very inputs are missing from OUT: the run redoes those alone. What is
+        # there goes into the new folder unchanged, linked (the same filesystem) or else copied.
+        for name in [*previous.get("shards", []), *(f".reference/{p.name}" for p in (out / ".reference").glob("*"))]:
+            if (out / name).is_file() and not (work / name).exists():
+                (work / name).parent.mkdir(exist_ok=True)
+                try:
+                    os.link(out / name, work / name)
+                except OSError:
+                    shutil.copy2(out / name, work / name)
+    return None, work
 
 
 def _fingerprint(version: DatasetVersion, run_dir: Path, checkpoints: list[_Checkpoint], params: ScoringParams,
@@ -584,7 +598,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
     if ref_run is not None:
         _check_reference_model(run_dir, ref_run)
     fingerprint = _fingerprint(version, run_dir, checkpoints, params, ref_run)
-    finished = _prepare_out(out, fingerprint, overwrite)
+    finished, work = _prepare_out(out, fingerprint, overwrite)
     if finished is not None:
         return finished
 
@@ -593,7 +607,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
         raise AssayError(f"{data_dir}: no document of the reference sources "
                          f"({', '.join(params.reference) or 'none configured'}) is in the dataset; "
                          "set score.reference to sources it holds")
-    atomic_write_bytes(out / REFERENCE_FILE,
+    atomic_write_bytes(work / REFERENCE_FILE,
                        "".join(f"{i}\n" for i, r in zip(docs.ids, docs.reference) if r).encode())
     n_blocks = max(1, math.ceil(len(docs) / params.part_docs))
     dev = pick_device(device or params.device)
@@ -604,7 +618,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
     strata_names = sorted(set(docs.stratum))
 
     todo = [(c, b) for c in range(len(checkpoints)) for b in range(n_blocks)
-            if not (out / shard_name(c * n_blocks + b)).is_file()]
+            if not (work / shard_name(c * n_blocks + b)).is_file()]
     counts = {"documents": len(docs), "reference": int(docs.reference.sum()), "parts": len(checkpoints) * n_blocks,
               "parts_resumed": len(checkpoints) * n_blocks - len(todo)}
     strata_info: dict[str, dict] = {}
@@ -624,7 +638,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
 
         for c, ck in enumerate(checkpoints):
             blocks = [b for cc, b in todo if cc == c]
-            cache = out / ".reference" / f"step-{ck.step:08d}.pt"
+            cache = work / ".reference" / f"step-{ck.step:08d}.pt"
             if not blocks and cache.with_suffix(".json").is_file():
                 strata_info[str(ck.step)] = json.loads(cache.with_suffix(".json").read_text())
                 continue
@@ -659,15 +673,16 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
                 last = c == len(checkpoints) - 1
                 table = _score_rows(model, scored, docs, references, stratum_index, ref_model if last else None,
                                     ck.step, params, precision, dev, tick)
-                _write_part(out / shard_name(c * n_blocks + b), table)
+                _write_part(work / shard_name(c * n_blocks + b), table)
             del model
 
-    manifest = _manifest(out, fingerprint, version, run_dir, checkpoints, params, docs, strata_info, counts,
+    manifest = _manifest(work, fingerprint, version, run_dir, checkpoints, params, docs, strata_info, counts,
                          (time.perf_counter() - t0, time.process_time() - cpu0), scored_docs, scored_tokens, n_blocks)
-    atomic_write_json(out / MANIFEST, manifest)
-    (out / _MARKER).unlink(missing_ok=True)
-    for cache in (out / ".reference").glob("*.pt"):  # a resume cache, a model's size: not part of the output
+    for cache in (work / ".reference").glob("*.pt"):  # a resume cache, a model's size: not part of the output
         cache.unlink()
+    atomic_write_json(work / MANIFEST, manifest)
+    publish_directory(work, out, staging_dir(out) / SET_ASIDE)
+    shutil.rmtree(staging_dir(out), ignore_errors=True)
     return manifest
 
 

@@ -31,8 +31,8 @@ import pyarrow.parquet as pq
 from assay.config import DedupParams, MinHashParams, Params
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
-from assay.shards import MANIFEST, iter_batches, open_shard, shard_batches
-from assay.staging import STAGING_DIR, UnitResult, UnitWriter, finished_unit
+from assay.shards import MANIFEST, iter_batches, open_shard, shard_batches, staging_dir
+from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.exact_dedup import choose_kept, normalized_hashes
 from filters.minhash import SIG_DTYPE, band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
 from filters.semantic_dedup import REASON as SEMANTIC_DUP
@@ -99,8 +99,9 @@ def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: 
 
 
 def signatures_folder(out_dir: str) -> str:
-    """Where the scans stage their signatures: OUT/.staging/dedup-signatures (OUT may be an fsspec URL)."""
-    return f"{str(out_dir).rstrip('/')}/{STAGING_DIR}/{SIGNATURES}"
+    """Where the scans stage their signatures: .OUT.staging/dedup-signatures, beside OUT (a path on
+    a filesystem every worker shares; the band tasks read it through fsspec)."""
+    return str(staging_dir(out_dir) / SIGNATURES)
 
 
 def signatures_file(folder: str, index: int) -> str:
