@@ -20,6 +20,7 @@ from assay.stages.dedup import (
     load_vectors,
     near_step,
     scan_shard,
+    shard_verdicts,
     signatures_file,
     signatures_folder,
     staged_band_pairs,
@@ -103,10 +104,11 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     print(f"dedup: {counts['input']} in, exact {counts['exact_dup']}, near {counts['near_dup']}, "
           f"semantic {counts['semantic_dup']} removed, {counts['kept']} kept")
 
-    rows_of = [np.flatnonzero(corpus.shard_of == u.index) for u in units]
+    # Each write task is sent its own shard's verdicts: what travels to a worker follows the shard.
+    per_shard = [shard_verdicts(corpus, verdicts, np.flatnonzero(corpus.shard_of == u.index)) for u in units]
     results = wait_with_progress(
         write_task.map([u.index for u in units], [u.shard for u in units], unmapped(out), unmapped(params),
-                       [u.key for u in units], rows_of, unmapped(corpus), unmapped(verdicts)),
+                       [u.key for u in units], per_shard),
         f"dedup → {out}")
     # The local index goes into the dataset being built, so it is published with the rest.
     graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)

@@ -178,3 +178,22 @@ def test_cli_queries_answer(deduped):
     assert any({r["source_a"], r["source_b"]} == {"repo-a", "repo-b"} for r in overlap)
     found = run("query", "heap queue priority queue algorithm", "-k", "3")
     assert any(h["path"] == "heapq.py" for h in found["hits"])
+
+
+def test_a_write_whose_verdicts_do_not_match_its_shard_says_so(tmp_path):
+    """A write task is sent its shard's verdicts row by row (`ShardVerdicts`); if the shard no longer has
+    that many rows (changed during the run), it stops naming the shard, rather than write misaligned
+    verdicts."""
+    import numpy as np
+
+    from assay.config import Params
+    from assay.errors import AssayError
+    from assay.shards import list_shards
+    from assay.stages.dedup import ShardVerdicts, write_shard
+    from corpus import stdlib_documents, write_documents
+
+    data = write_documents(tmp_path / "data", stdlib_documents(3), source="stdlib")
+    shard = str(list_shards(data)[0])
+    short = ShardVerdicts([None, None], [None, None], [None, None], np.full(2, np.nan))
+    with pytest.raises(AssayError, match=r"part-00000.parquet: 3 rows, but the reduce judged 2"):
+        write_shard(0, shard, str(tmp_path / "out"), Params(), "00000-key", short)

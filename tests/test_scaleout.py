@@ -252,3 +252,45 @@ def test_band_task_arguments_do_not_grow_with_the_corpus(tmp_path):
     files = [signatures_file(folder, i) for i in range(4)]
     size = len(cloudpickle.dumps((files, f"{folder}/alive.npy", 3, params)))
     assert size < 4096, size
+
+
+def _judged_corpus(n: int):
+    """A corpus of `n` documents in shards of 100 rows, a third of them duplicates of rows anywhere in it."""
+    from assay.stages.dedup import Corpus, Verdicts
+
+    ids = np.array([f"doc-{i:08d}" for i in range(n)], dtype=object)
+    text = np.array(["text"] * n, dtype=object)
+    corpus = Corpus(ids, text, text, text, text, np.zeros(n), np.zeros(n, dtype=np.uint64), None, np.arange(n) // 100)
+    rows = np.arange(n)
+    dup = rows % 3 == 0
+    duplicate_of = np.where(dup, (rows * 7919 + 1) % n, -1)
+    reason = ["near_dup" if d else None for d in dup]
+    verdicts = Verdicts(reason, duplicate_of, duplicate_of.copy(), np.full(n, -1), np.where(dup, 0.95, np.nan), {})
+    return corpus, verdicts
+
+
+def test_write_task_arguments_follow_its_shard_not_the_corpus(tmp_path):
+    """What a dedup write task is sent (its shard's verdicts, paths, the params) pickles to the same size for a
+    corpus of 1,000 and of 100,000 documents, shards of 100 rows alike; the corpus and its verdicts never
+    travel to a worker. Before, every write task was sent both whole: 100x the bytes at 100,000 documents."""
+    import inspect
+
+    import cloudpickle
+
+    from assay.config import Params
+    from assay.stages.dedup import shard_verdicts, write_shard
+
+    assert list(inspect.signature(write_shard).parameters) == ["index", "shard", "out_dir", "params", "key", "verdicts"]
+    params = Params()
+    sizes = {}
+    for n in (1_000, 100_000):
+        corpus, verdicts = _judged_corpus(n)
+        mine = shard_verdicts(corpus, verdicts, np.flatnonzero(corpus.shard_of == 4))
+        assert len(mine.reason) == 100
+        assert mine.duplicate_of[2] == f"doc-{(402 * 7919 + 1) % n:08d}" and mine.duplicate_of[1] is None
+        assert mine.reason[2] == "near_dup" and np.isnan(mine.similarity[1])
+        sizes[n] = len(cloudpickle.dumps((4, str(tmp_path / "part-00004.parquet"), str(tmp_path / "out"), params,
+                                          "00004-key", mine)))
+        whole = len(cloudpickle.dumps((corpus, verdicts)))
+    assert abs(sizes[100_000] - sizes[1_000]) <= 0.01 * sizes[1_000], sizes
+    assert sizes[100_000] * 50 < whole, (sizes, whole)

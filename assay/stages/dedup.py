@@ -358,14 +358,42 @@ def decide(corpus: Corpus, exact_kept: np.ndarray, near_kept: np.ndarray | None,
     return Verdicts(reason, duplicate_of, near_cluster, semantic_cluster, similarity, counts)
 
 
+@dataclass
+class ShardVerdicts:
+    """What one shard's write needs of the reduce's answer, per row of that shard, in order.
+
+    A write task is sent this, not the corpus and its verdicts: on Dask or Ray each task's
+    arguments travel to its worker, and the whole corpus's would grow with the corpus.
+    """
+
+    reason: list[str | None]
+    cluster: list[str | None]  # id of the kept document of its near-duplicate cluster
+    duplicate_of: list[str | None]  # id of the document it duplicates
+    similarity: np.ndarray  # SemDeDup's max similarity, NaN when not computed
+
+
+def shard_verdicts(corpus: Corpus, verdicts: Verdicts, rows: np.ndarray) -> ShardVerdicts:
+    """The verdicts of the corpus rows `rows` (one shard's, in its order)."""
+    ids = corpus.ids
+    return ShardVerdicts(
+        reason=[verdicts.reason[r] for r in rows],
+        cluster=[ids[c] if c >= 0 else None for c in verdicts.near_cluster[rows]],
+        duplicate_of=[ids[d] if d >= 0 else None for d in verdicts.duplicate_of[rows]],
+        similarity=verdicts.similarity[rows],
+    )
+
+
 def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
-                rows: np.ndarray, corpus: Corpus, verdicts: Verdicts) -> UnitResult:
+                verdicts: ShardVerdicts) -> UnitResult:
     """One input shard out: kept rows with a `cluster` column, a decision per row."""
     done = finished_unit(out_dir, key)
     if done is not None:
         return done
     started = time.perf_counter()
     parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    if parquet.metadata.num_rows != len(verdicts.reason):
+        raise AssayError(f"{shard}: {parquet.metadata.num_rows} rows, but the reduce judged {len(verdicts.reason)}; "
+                         "the shard changed during the run")
     schema = parquet.schema_arrow
     if CLUSTER not in schema.names:
         schema = schema.append(pa.field(CLUSTER, pa.string()))
@@ -374,19 +402,16 @@ def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
     try:
         for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):
             n = batch.num_rows
-            part = rows[offset : offset + n]
+            part = slice(offset, offset + n)
             offset += n
-            reasons = [verdicts.reason[r] for r in part]
+            reasons = verdicts.reason[part]
             keep = np.array([r is None for r in reasons])
-            cluster = [corpus.ids[verdicts.near_cluster[r]] if verdicts.near_cluster[r] >= 0 else None for r in part]
-            out = batch.append_column(CLUSTER, pa.array(cluster, pa.string())) if CLUSTER not in batch.schema.names else batch
+            out = (batch.append_column(CLUSTER, pa.array(verdicts.cluster[part], pa.string()))
+                   if CLUSTER not in batch.schema.names else batch)
             writer.docs.write(out.filter(pa.array(keep)))
-            details = [None if verdicts.duplicate_of[r] < 0 else f"duplicate of {corpus.ids[verdicts.duplicate_of[r]]}"
-                       for r in part]
-            scores = [
-                [("semantic_similarity", float(verdicts.similarity[r]))] if not np.isnan(verdicts.similarity[r]) else None
-                for r in part
-            ]
+            details = [None if d is None else f"duplicate of {d}" for d in verdicts.duplicate_of[part]]
+            scores = [[("semantic_similarity", float(x))] if not np.isnan(x) else None
+                      for x in verdicts.similarity[part]]
             writer.write_decisions(pa.RecordBatch.from_arrays(
                 [batch.column("id"), pa.array([STAGE] * n, pa.string()), pa.array(keep), pa.array(reasons, pa.string()),
                  pa.array(scores, DECISION_SCHEMA.field("scores").type), pa.array(details, pa.string())],
