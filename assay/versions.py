@@ -42,6 +42,9 @@ class DatasetVersion:
     shards: list[str] = field(default_factory=list)
     _fs: Any = field(default=None, repr=False)  # DVCFileSystem, or None for plain files
     _prefix: str = field(default="", repr=False)  # path of the dataset inside the repo
+    # Plain files: each part's (device, inode) when the version was opened and hashed. A stage
+    # rerun with --overwrite swaps the folder for a new version whose parts have the same names.
+    _files: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def identity(self) -> dict:
         return {"path": self.path, "rev": self.rev, "commit": self.commit, "data_hash": self.data_hash,
@@ -52,7 +55,13 @@ class DatasetVersion:
         for name in self.shards:
             label = f"{self.path}/{name}" + (f" (at {self.rev})" if self.rev else "")
             if self._fs is None:
-                source = open_shard(Path(self.path) / name, label, DOCUMENT_SCHEMA, columns)
+                path = Path(self.path) / name
+                source = open_shard(path, label, DOCUMENT_SCHEMA, columns)
+                # Checked once the file is open (the reader keeps it open): what is read is then
+                # the part that was hashed, or the run stops rather than train on two versions.
+                if self._files and _file_id(path) != self._files.get(name):
+                    raise AssayError(f"{label}: replaced since this run opened {self.path} (a stage rerun published "
+                                     "a new version); rerun, or pin a version with --rev")
                 yield from shard_batches(source, label, batch_size=batch_rows, columns=columns)
             else:
                 with self._fs.open(f"{self._prefix}/{name}", "rb") as handle:
@@ -70,8 +79,13 @@ def _dvc_root(path: Path) -> Path | None:
 _HASH_CHUNK = 1 << 20
 
 
-def _untracked_digest(directory: Path, shards: list[str]) -> str:
-    """A stand-in for DVC's hash on a directory DVC does not track.
+def _file_id(path: Path | int) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _untracked_digest(directory: Path, shards: list[str]) -> tuple[str, dict[str, tuple[int, int]]]:
+    """A stand-in for DVC's hash on a directory DVC does not track, and each part's file id.
 
     Contents, not sizes or mtimes: an edit that keeps a shard's size must still
     change the identity, and a copy of the same data must keep it. Reading every
@@ -81,12 +95,14 @@ def _untracked_digest(directory: Path, shards: list[str]) -> str:
     manifest = directory / MANIFEST
     if manifest.exists():
         digest.update(manifest.read_bytes())
+    files = {}
     for name in shards:
-        digest.update(f"{name}\0{(directory / name).stat().st_size}\0".encode())
         with open(directory / name, "rb") as handle:
+            files[name] = _file_id(handle.fileno())  # the file hashed, not whatever the name means later
+            digest.update(f"{name}\0{os.fstat(handle.fileno()).st_size}\0".encode())
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
-    return "local-" + digest.hexdigest()
+    return "local-" + digest.hexdigest(), files
 
 
 def _shard_names(names: list[str]) -> list[str]:
@@ -146,4 +162,5 @@ def _plain(given: str, absolute: Path, commit: str | None = None) -> DatasetVers
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards")
-    return DatasetVersion(given, None, commit, _untracked_digest(absolute, names), False, names)
+    data_hash, files = _untracked_digest(absolute, names)
+    return DatasetVersion(given, None, commit, data_hash, False, names, _files=files)

@@ -201,3 +201,19 @@ def test_a_symlinked_output_is_replaced_where_it_points(reference, tmp_path):
     assert out.is_symlink() and _contents(real) == reference
     assert not staging_dir(out).exists()
     _readers_read_every_part(out, FINGERPRINT)
+
+
+def test_a_version_replaced_while_it_is_read_stops_the_reader(reference, tmp_path):
+    """A run reading a dataset while a stage rerun publishes a new version over it (same part names)
+    reads the part it has open to its end, then stops at the next part, naming it, rather than
+    train on parts of two versions; opened again, the dataset reads as the new version."""
+    out = tmp_path / "static"
+    _previous_dataset(out)
+    batches = open_version(out).iter_batches()
+    first = next(batches)
+    assert first.column("id")[0].as_py().startswith("previous")
+    _stage(out, overwrite=True)
+    commit(out, UNITS, {"fingerprint": FINGERPRINT, "stage": "test"})
+    with pytest.raises(AssayError, match=r"part-00001.parquet: replaced since this run opened"):
+        list(batches)
+    _readers_read_every_part(out, FINGERPRINT)
