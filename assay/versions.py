@@ -80,7 +80,10 @@ _HASH_CHUNK = 1 << 20
 
 
 def _file_id(path: Path | int) -> tuple[int, int]:
-    st = os.stat(path)
+    return _id_of(os.stat(path))
+
+
+def _id_of(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
@@ -98,8 +101,9 @@ def _untracked_digest(directory: Path, shards: list[str]) -> tuple[str, dict[str
     files = {}
     for name in shards:
         with open(directory / name, "rb") as handle:
-            files[name] = _file_id(handle.fileno())  # the file hashed, not whatever the name means later
-            digest.update(f"{name}\0{os.fstat(handle.fileno()).st_size}\0".encode())
+            st = os.fstat(handle.fileno())
+            files[name] = _id_of(st)  # the file hashed, not whatever the name means later
+            digest.update(f"{name}\0{st.st_size}\0".encode())
             while chunk := handle.read(_HASH_CHUNK):
                 digest.update(chunk)
     return "local-" + digest.hexdigest(), files
