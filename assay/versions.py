@@ -10,6 +10,12 @@ The hash is what a checkpoint records: a resume against other data is refused
 read from disk, and its "hash" is a digest of its manifest and every shard's
 bytes, so a plain directory still trains, and any edit to it, even one that
 keeps every size, still trips the check.
+
+In the workspace (no rev) a tracked directory is read from disk too, and DVC's
+hash is its identity only while DVC's status says the workspace holds what
+``dvc.lock`` (or the ``.dvc`` file) records. A stage run outside ``dvc repro``
+publishes new bytes there before anything records them; such a directory is
+identified by its own digest, as an untracked one is, with ``modified`` set.
 """
 
 from __future__ import annotations
@@ -38,17 +44,18 @@ class DatasetVersion:
     rev: str | None  # the rev asked for; None = the workspace
     commit: str | None  # the git commit that rev resolves to (None outside git)
     data_hash: str  # DVC's md5 of the directory, or a digest for untracked data
-    tracked: bool  # True when DVC serves the files
+    tracked: bool  # True when data_hash is DVC's: the bytes read are the ones DVC recorded
     shards: list[str] = field(default_factory=list)
+    modified: bool = False  # tracked by DVC, but the workspace holds other bytes than it recorded
     _fs: Any = field(default=None, repr=False)  # DVCFileSystem, or None for plain files
     _prefix: str = field(default="", repr=False)  # path of the dataset inside the repo
-    # Plain files: each part's (device, inode) when the version was opened and hashed. A stage
-    # rerun with --overwrite swaps the folder for a new version whose parts have the same names.
+    # Files on disk: each part's (device, inode) when the version was opened and identified. A
+    # stage rerun with --overwrite swaps the folder for a new version whose parts have the same names.
     _files: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def identity(self) -> dict:
         return {"path": self.path, "rev": self.rev, "commit": self.commit, "data_hash": self.data_hash,
-                "tracked": self.tracked, "shards": len(self.shards)}
+                "tracked": self.tracked, "modified_since_dvc": self.modified, "shards": len(self.shards)}
 
     def iter_batches(self, columns: list[str] | None = None, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
         """Stream the documents' record batches, shard by shard, in name order."""
@@ -146,10 +153,12 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
         if rev is not None:
             raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
         return _plain(given, absolute, commit)
+    if rev is None and absolute.is_dir():
+        return _workspace(given, absolute, root, prefix, dvc_info["md5"], commit)
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
-    return DatasetVersion(given, rev, commit, dvc_info["md5"], True, names, fs, prefix)
+    return DatasetVersion(given, rev, commit, dvc_info["md5"], True, names, _fs=fs, _prefix=prefix)
 
 
 def _commit(fs: Any, rev: str | None) -> str | None:
@@ -160,11 +169,47 @@ def _commit(fs: Any, rev: str | None) -> str | None:
         return None
 
 
-def _plain(given: str, absolute: Path, commit: str | None = None) -> DatasetVersion:
+def _plain(given: str, absolute: Path, commit: str | None = None, *, modified: bool = False) -> DatasetVersion:
     if not absolute.is_dir():
         raise AssayError(f"{given} is not a directory")
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards")
     data_hash, files = _untracked_digest(absolute, names)
-    return DatasetVersion(given, None, commit, data_hash, False, names, _files=files)
+    return DatasetVersion(given, None, commit, data_hash, False, names, modified=modified, _files=files)
+
+
+def _workspace(given: str, absolute: Path, root: Path, prefix: str, md5: str, commit: str | None) -> DatasetVersion:
+    """A DVC-tracked dataset as the workspace holds it, read from disk like an untracked one.
+
+    DVC's filesystem reads a workspace file from disk, and would name it by the hash DVC
+    recorded, whatever the file now holds. So DVC is asked first; its answer is about the files
+    whose ids are taken before and after asking (its hashes are cached by inode, size and mtime).
+    """
+    names = _shard_names(os.listdir(absolute))
+    if not names:
+        raise AssayError(f"{given} holds no part-*.parquet shards")
+    before = {name: _file_id(absolute / name) for name in names}
+    if not _as_dvc_recorded(root, prefix):
+        return _plain(given, absolute, commit, modified=True)
+    if _shard_names(os.listdir(absolute)) != names or {n: _file_id(absolute / n) for n in names} != before:
+        raise AssayError(f"{given} was replaced while it was being opened (a stage published a new version); rerun")
+    return DatasetVersion(given, None, commit, md5, True, names, _files=before)
+
+
+def _as_dvc_recorded(root: Path, prefix: str) -> bool:
+    """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        # A relative target is taken from the repository's root (an absolute one from the cwd).
+        status = repo.data_status(targets=[prefix])
+
+    def under(entry: str) -> bool:
+        entry = entry.rstrip("/")
+        return entry == prefix or entry.startswith(prefix + "/") or prefix.startswith(entry + "/")
+
+    if any(under(e) for entries in status["uncommitted"].values() for e in entries):
+        return False
+    seen = [*status["unchanged"], *status["not_in_cache"], *(e for es in status["committed"].values() for e in es)]
+    return any(under(e) for e in seen)  # not named at all: DVC did not judge it, so it is not taken as recorded

@@ -28,7 +28,7 @@ from assay.stages.dedup import (
     write_shard,
 )
 from assay.stages.graph import upsert_graph
-from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest
+from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
 from assay.staging import building, commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -86,7 +86,8 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     files = [signatures_file(staged, u.index) for u in units]
     scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
                                              unmapped(params.io.batch_rows), files,
-                                             batch_bytes=unmapped(params.io.batch_bytes)), "dedup: hash + MinHash")
+                                             batch_bytes=unmapped(params.io.batch_bytes), key=[u.key for u in units]),
+                               "dedup: hash + MinHash")
     corpus = gather(scans)
     del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
     exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))
@@ -110,6 +111,7 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
         write_task.map([u.index for u in units], [u.shard for u in units], unmapped(out), unmapped(params),
                        [u.key for u in units], per_shard),
         f"dedup → {out}")
+    require_unchanged(input_dir, units)  # every read is done; before the graph, which may be a server's
     # The local index goes into the dataset being built, so it is published with the rest.
     graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)
     extra = {"dedup": counts, "graph": graph}

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from assay.config import load_params
 from assay.shards import read_manifest
 from assay.stages.domain import STAGE, domain_unit, load_models, perplexity_band, rule_clean_share
-from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest, summarize
+from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest, summarize
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -44,6 +44,7 @@ def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     extra = {"rule_clean_share": clean,
              "models": {"domain_model": model, "languages": models.scorer.languages,
                         "perplexity_screen": [screen.min_perplexity, screen.max_perplexity], "perplexity_band": band}}
+    require_unchanged(input_dir, units)  # every read is done: the output is of one input version
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)
 

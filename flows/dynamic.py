@@ -11,8 +11,9 @@ from prefect.cache_policies import NO_CACHE
 
 from assay.config import load_params
 from assay.shards import read_manifest
-from assay.stages.dynamic import STAGE, dynamic_unit, read_run_telemetry, read_scores, require_signals, verdicts
-from assay.stages.shard_stage import file_fingerprint, plan_shards, stage_fingerprint, stage_manifest
+from assay.stages.dynamic import (STAGE, dynamic_unit, read_run_telemetry, read_scores, require_same_signals,
+                                  require_signals, signals_fingerprint, verdicts)
+from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -33,7 +34,7 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     params = load_params(params_file)
     units = plan_shards(input_dir)
     section = {"dynamic": dataclasses.asdict(params.dynamic), "io": dataclasses.asdict(params.io)}
-    section["signals"] = {"scores": file_fingerprint(scores_dir), "telemetry": file_fingerprint(f"{run_dir}/telemetry")}
+    section["signals"] = signals_fingerprint(scores_dir, run_dir)
     fingerprint = stage_fingerprint(units, section)
     if prepare(out, fingerprint, overwrite=overwrite):
         print(f"{out} is up to date with its inputs; nothing to do")
@@ -45,6 +46,8 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     mentioned = Counter(judged.column("reason").drop_null().to_pylist())
     extra = {"signals": {"scores": scores_dir, "run": run_dir, "documents_with_signals": judged.num_rows,
                          "drops_among_them_by_reason": dict(sorted(mentioned.items()))}}
+    require_unchanged(input_dir, units)  # every read is done: the output is of one input version
+    require_same_signals(scores_dir, run_dir, section["signals"])  # and of one set of signals
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)
 

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from assay.config import load_params
 from assay.encoder import is_local_model
 from assay.shards import read_manifest
-from assay.stages.shard_stage import plan_shards, stage_fingerprint, stage_manifest
+from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
 from assay.stages.static import STAGE, load_models, static_unit
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
@@ -38,6 +38,7 @@ def static_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     results = wait_with_progress(futures, f"static → {out}")
     extra = {"models": {"encoder": dataclasses.asdict(models.encoder.info), "scorer": models.scorer.name,
                         "heuristics": [f.name for f in models.heuristics]}}
+    require_unchanged(input_dir, units)  # every read is done: the output is of one input version
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)
 

@@ -34,6 +34,9 @@ def train_flow(data: str, out: str, rev: str | None = None, resume: bool = False
     version = open_version(data, rev)
     where = f"rev {rev} ({version.commit[:10]})" if rev and version.commit else "the workspace"
     print(f"training on {data} at {where}: data hash {version.data_hash}, {len(version.shards)} shard(s)")
+    if version.modified:
+        print(f"{data} differs from what DVC recorded for it (a stage ran outside dvc repro?): it is identified "
+              "by its own digest; `dvc commit` (or `dvc repro`) records it")
     if nproc > 1 or nnodes != "1":
         m = _launch(data, out, rev, resume, overwrite, allow_data_change, steps, device, params_file, nproc,
                     parallel or {}, nnodes, rdzv_endpoint, max_restarts)

@@ -47,8 +47,10 @@ def write_jsonl_gz(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def write_documents(directory: Path, docs: list[tuple[str, str]], source: str = "tests") -> Path:
-    """A dataset directory (DOCUMENT_SCHEMA shards) holding ``(locator, text)`` documents."""
+def write_documents(directory: Path, docs: list[tuple[str, str]], source: str = "tests",
+                    target_bytes: int | None = None) -> Path:
+    """A dataset directory (DOCUMENT_SCHEMA shards) holding ``(locator, text)`` documents
+    (with `target_bytes`, one shard for every batch of that many bytes)."""
     import pyarrow as pa
 
     from assay.schema import DOCUMENT_SCHEMA, document_id
@@ -63,8 +65,10 @@ def write_documents(directory: Path, docs: list[tuple[str, str]], source: str = 
         "path": [loc for loc, _ in docs],
         "meta": ["{}"] * len(docs),
     }
-    with ShardWriter(directory, DOCUMENT_SCHEMA) as writer:
-        writer.write(pa.Table.from_pydict(columns, schema=DOCUMENT_SCHEMA))
+    table = pa.Table.from_pydict(columns, schema=DOCUMENT_SCHEMA)
+    with ShardWriter(directory, DOCUMENT_SCHEMA, **({"target_bytes": target_bytes} if target_bytes else {})) as writer:
+        for batch in table.to_batches(max_chunksize=1 if target_bytes else None):
+            writer.write(batch)
     return directory
 
 

@@ -188,12 +188,36 @@ def test_a_write_whose_verdicts_do_not_match_its_shard_says_so(tmp_path):
 
     from assay.config import Params
     from assay.errors import AssayError
-    from assay.shards import list_shards
     from assay.stages.dedup import ShardVerdicts, write_shard
+    from assay.stages.shard_stage import plan_shards
     from corpus import stdlib_documents, write_documents
 
     data = write_documents(tmp_path / "data", stdlib_documents(3), source="stdlib")
-    shard = str(list_shards(data)[0])
+    unit = plan_shards(data)[0]
     short = ShardVerdicts([None, None], [None, None], [None, None], np.full(2, np.nan))
     with pytest.raises(AssayError, match=r"part-00000.parquet: 3 rows, but the reduce judged 2"):
-        write_shard(0, shard, str(tmp_path / "out"), Params(), "00000-key", short)
+        write_shard(0, unit.shard, str(tmp_path / "out"), Params(), unit.key, short)
+
+
+def test_an_input_republished_during_the_run_reaches_neither_the_dataset_nor_the_graph(deduped, tmp_path, monkeypatch):
+    """Every write task read the shard it planned on, then an upstream rerun published a new input
+    version. The run stops before the graph upsert (which may go to a server), and the previous
+    output, its graph included, stays as it was."""
+    import flows.dedup
+    from assay.errors import AssayError
+    from assay.shards import MANIFEST
+    from assay.stages.dedup import write_shard
+    from republish import RepublishAfter
+
+    source = shutil.copytree(deduped["raw"], tmp_path / "raw")
+    out = shutil.copytree(deduped["out"], tmp_path / "dedup")
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "of-other-inputs"}))
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    upstream = RepublishAfter(source, tmp_path, len(list(source.glob("part-*.parquet"))))
+
+    monkeypatch.setattr(flows.dedup, "write_task", upstream.task_of(write_shard, "dedup-write"))
+    with pytest.raises(AssayError, match=r"changed during this run \(part-00000.parquet"):
+        flows.dedup.dedup_flow(str(source), str(out), overwrite=True, params_file=str(deduped["params"]))
+    assert upstream.finished == upstream.n
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before

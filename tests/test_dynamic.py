@@ -329,7 +329,8 @@ def write_dataset(folder: Path, ids: list[str], kinds: list[str]) -> Path:
     return folder
 
 
-def test_cli_writes_the_curated_dataset_with_a_decision_for_every_document(tmp_path):
+def write_stage_inputs(tmp_path: Path) -> tuple[Path, list[str], Path]:
+    """A dataset, its scores, a run's telemetry and params.yaml in `tmp_path`: the dataset, its ids, the params."""
     overrides = {"c3": {"alignment": -0.05}, "t4": {"loss": 9.0}, "t0": {"alignment": -0.5, "reference": True}}
     rows = score_rows(overrides=overrides)
     scored = sorted({r["sample_id"] for r in rows})
@@ -343,10 +344,14 @@ def test_cli_writes_the_curated_dataset_with_a_decision_for_every_document(tmp_p
     telemetry = _steps({7: spike, 8: _batch(8)}, skipped={7})
     (tmp_path / "run" / "telemetry").mkdir(parents=True)
     pq.write_table(telemetry, tmp_path / "run" / "telemetry" / "part-00000001.parquet")
-
-    out = tmp_path / "curated"
     params = tmp_path / "params.yaml"  # the absolute cut-off on, the stratified ones off (noise crosses 1.5 by chance)
     params.write_text("dynamic:\n  alignment_threshold: 0.0\n  alignment_low_z: null\n  alignment_high_z: null\n")
+    return data, ids, params
+
+
+def test_cli_writes_the_curated_dataset_with_a_decision_for_every_document(tmp_path):
+    data, ids, params = write_stage_inputs(tmp_path)
+    out = tmp_path / "curated"
     args = ["--params", params, "run", "dynamic", "--in", data, "--scores", tmp_path / "scores", "--run", tmp_path / "run", "--out", out]
     manifest = json.loads(run_cli(*args, "--json").stdout)
     assert manifest["stage"] == "dynamic"
@@ -373,6 +378,35 @@ def test_cli_writes_the_curated_dataset_with_a_decision_for_every_document(tmp_p
                       "--out", tmp_path / "other", check=False)
     assert missing.returncode == 1 and "run `assay score` first" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_scores_rewritten_during_the_run_are_not_published(tmp_path, prefect_harness, monkeypatch):
+    """Every task wrote its shard from verdicts made of the scores read at the start; a newer
+    `assay score` then replaced them. The manifest would name the new scores over the old ones'
+    verdicts: the run stops, naming the folder, and publishes nothing."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    import flows.dynamic
+    from assay.errors import AssayError
+    from assay.stages.dynamic import dynamic_unit
+
+    data, ids, params = write_stage_inputs(tmp_path)
+    part = tmp_path / "scores" / "part-00000.parquet"
+
+    def unit_then_rescore(index, shard, out_dir, params, key, judged):  # the task's parameters, for Prefect's map
+        result = dynamic_unit(index, shard, out_dir, params, key, judged)
+        table = pq.read_table(part)
+        pq.write_table(table.slice(1), part)  # one task: the input is one shard
+        return result
+
+    monkeypatch.setattr(flows.dynamic, "dynamic_shard_task", task(unit_then_rescore, name="dynamic-shard",
+                                                                  cache_policy=NO_CACHE))
+    out = tmp_path / "curated"
+    with pytest.raises(AssayError, match=r"scores: changed during this run"):
+        flows.dynamic.dynamic_flow(str(data), str(tmp_path / "scores"), str(tmp_path / "run"), str(out),
+                                   params_file=str(params))
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------ planted corruption, end to end

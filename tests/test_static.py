@@ -1,5 +1,7 @@
 """Tier 1 end to end: a real head trained here, the real encoder, the Prefect flow."""
 
+import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import yaml
 
 from assay.errors import AssayError
 from assay.lineage import why
-from assay.shards import iter_batches
+from assay.shards import MANIFEST, iter_batches
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -185,3 +187,42 @@ def test_missing_head_fails_fast_naming_the_command(tier1, tmp_path):
     bad.write_text(yaml.safe_dump(params))
     with pytest.raises(AssayError, match="assay quality train"):
         static_flow(str(tier1["raw"]), str(tmp_path / "out"), params_file=str(bad))
+
+
+def test_a_shard_replaced_after_planning_is_refused_by_its_task_and_at_the_commit(tier1, tmp_path):
+    from assay.config import load_params
+    from assay.stages.shard_stage import plan_shards, require_unchanged
+    from assay.stages.static import static_unit
+    from republish import republish
+
+    source = shutil.copytree(tier1["raw"], tmp_path / "raw")
+    units = plan_shards(source)
+    require_unchanged(source, units)  # nothing changed: no complaint
+    republish(source, tmp_path)
+    params = load_params(tier1["params"])
+    with pytest.raises(AssayError, match=r"part-00000.parquet: replaced since this stage planned its run"):
+        static_unit(units[0].index, units[0].shard, str(tmp_path / "out"), params, units[0].key)
+    with pytest.raises(AssayError, match=r"raw: changed during this run \(part-00000.parquet"):
+        require_unchanged(source, units)
+
+
+def test_an_input_republished_after_every_task_read_it_is_not_published(tier1, tmp_path, monkeypatch):
+    """The flow's own check: each task read the version it planned on, then the input changed
+    before the commit. The output would record the new input's fingerprint over the old one's
+    judgments; the run stops, and the previous output stays as it was."""
+    import flows.static
+    from assay.stages.static import static_unit
+    from republish import RepublishAfter
+
+    source = shutil.copytree(tier1["raw"], tmp_path / "raw")
+    out = shutil.copytree(tier1["out"], tmp_path / "static")  # a previous output, which must survive
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "of-other-inputs"}))
+    before = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
+    upstream = RepublishAfter(source, tmp_path, len(list(source.glob("part-*.parquet"))))
+
+    monkeypatch.setattr(flows.static, "static_shard_task", upstream.task_of(static_unit, "static-shard"))
+    with pytest.raises(AssayError, match=r"changed during this run \(part-00000.parquet"):
+        flows.static.static_flow(str(source), str(out), overwrite=True, params_file=str(tier1["params"]))
+    assert upstream.finished == upstream.n
+    assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == before

@@ -402,14 +402,19 @@ def _git(args, cwd, env):
     return proc.stdout
 
 
-def test_training_reads_the_version_committed_at_a_rev(tmp_path):
-    repo = tmp_path / "repo"
+def _dvc_repo(repo: Path) -> tuple[Path, dict, str]:
+    """A new git + DVC repository: its path, an environment for commits in it, the dvc executable."""
     repo.mkdir()
     env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
                GIT_COMMITTER_EMAIL="t@example.com")
     dvc = str(BIN / "dvc")
     _git(["git", "init", "-q"], repo, env)
     _git([dvc, "init", "-q"], repo, env)
+    return repo, env, dvc
+
+
+def test_training_reads_the_version_committed_at_a_rev(tmp_path):
+    repo, env, dvc = _dvc_repo(tmp_path / "repo")
     write_documents(repo / "data/ds", stdlib_documents(6), source="v1")
     _git([dvc, "add", "-q", "data/ds"], repo, env)
     _git(["git", "add", "-A"], repo, env)
@@ -435,6 +440,64 @@ def test_training_reads_the_version_committed_at_a_rev(tmp_path):
         train(new, tmp_path / "run", params, resume=True, progress=False)
     continued = train(new, tmp_path / "run", params, resume=True, allow_data_change=True, progress=False)
     assert continued.resumed_from == 2 and continued.metrics["data"]["data_hash"] == new.data_hash
+
+
+def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dvcs_record(tmp_path, monkeypatch):
+    """DVC's filesystem reads a workspace file from disk but names it by the hash DVC recorded.
+    A stage run outside `dvc repro` publishes new bytes before anything records them: those
+    bytes must not train under the recorded version's hash (a resume would take them for it)."""
+    from assay import versions
+    from assay.shards import publish_directory
+
+    repo, env, dvc = _dvc_repo(tmp_path / "repo")
+    data = repo / "data/ds"
+    write_documents(data, stdlib_documents(6), source="v1", target_bytes=1)
+    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    _git(["git", "add", "-A"], repo, env)
+    _git(["git", "commit", "-qm", "v1"], repo, env)
+    recorded = open_version(data)
+    assert recorded.tracked and not recorded.modified and recorded.data_hash.endswith(".dir")
+
+    def publish(source: str) -> None:  # as a stage's commit does: the folder swapped whole
+        built = write_documents(tmp_path / f"built-{source}", stdlib_documents(6, offset=6), source=source,
+                                target_bytes=1)
+        publish_directory(built, data, tmp_path / f"aside-{source}")
+
+    publish("v2")
+    changed = open_version(data)
+    assert changed.modified and not changed.tracked and changed.data_hash.startswith("local-")
+    assert changed.data_hash == open_version(shutil.copytree(data, tmp_path / "copy")).data_hash  # its bytes' digest
+    assert changed.identity()["modified_since_dvc"] is True
+    sources = {s for b in changed.iter_batches(columns=["source"]) for s in b.column("source").to_pylist()}
+    assert sources == {"v2"}
+
+    _git([dvc, "add", "-q", "data/ds"], repo, env)  # recorded now: DVC's hash names it again
+    again = open_version(data)
+    assert again.tracked and not again.modified and again.data_hash not in (recorded.data_hash, changed.data_hash)
+
+    # A version published while DVC is being asked: its answer may be about either, so the open stops.
+    asked = versions._as_dvc_recorded
+
+    def then_publish(root, prefix):
+        answer = asked(root, prefix)
+        publish("v2b")
+        return answer
+
+    monkeypatch.setattr(versions, "_as_dvc_recorded", then_publish)
+    with pytest.raises(AssayError, match="was replaced while it was being opened"):
+        open_version(data)
+    monkeypatch.undo()
+    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    again = open_version(data)
+    assert again.tracked and not again.modified
+
+    # A run reading the recorded version while a new one is published over it stops at the next part.
+    assert len(again.shards) == 6
+    reading = again.iter_batches(columns=["source"])
+    assert next(reading).column("source").to_pylist() == ["v2b"]
+    publish("v3")
+    with pytest.raises(AssayError, match=r"part-00001.parquet: replaced since this run opened"):
+        list(reading)
 
 
 def test_an_untracked_edit_that_keeps_every_size_changes_the_identity(tmp_path):

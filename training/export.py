@@ -174,6 +174,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
             "parameters": sum(p.numel() for p in model.parameters()), "files": sorted(p.name for p in out.iterdir())}
 
 
+def _hash_kind(data: dict) -> str:
+    if data.get("tracked"):
+        return "DVC-tracked"
+    if data.get("modified_since_dvc"):
+        return "Assay's digest of the workspace's bytes, which differ from what DVC recorded"
+    return "untracked directory"
+
+
 def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dict) -> str:
     args, data = model.args, provenance["data"]
     version = data.get("rev") or "the workspace (no --rev)"
@@ -186,7 +194,7 @@ def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dic
         "## Dataset version", "",
         f"- path: `{data.get('path')}`",
         f"- rev: `{version}`, commit `{data.get('commit')}`",
-        f"- DVC hash: `{data.get('data_hash')}` ({'DVC-tracked' if data.get('tracked') else 'untracked directory'})",
+        f"- DVC hash: `{data.get('data_hash')}` ({_hash_kind(data)})",
         "", "Reproduce the data: `git checkout <commit> && dvc pull`, or read it in place with "
         f"`assay train --data {data.get('path')} --rev <commit>`.", "",
         "## Architecture", "",

@@ -32,6 +32,7 @@ from assay.config import DedupParams, MinHashParams, Params
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
 from assay.shards import MANIFEST, iter_batches, open_shard, shard_batches, staging_dir
+from assay.stages.shard_stage import open_planned
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.exact_dedup import choose_kept, normalized_hashes
 from filters.minhash import SIG_DTYPE, band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
@@ -64,12 +65,13 @@ class ShardScan:
 
 
 def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: str | None = None,
-               batch_bytes: int | None = None) -> ShardScan:
+               batch_bytes: int | None = None, key: str | None = None) -> ShardScan:
     """One shard's scan. With `signatures_to` (a file path or fsspec URL) the MinHash signatures are
     written there by band (`write_signatures`) and the scan returned carries none. `batch_bytes` bounds
-    the text shingled at once (`io.batch_bytes`)."""
+    the text shingled at once (`io.batch_bytes`); `key`, the stage's unit key for the shard, has the
+    scan refuse a shard replaced since the stage planned its run."""
     ids, kinds, sources, langs, paths, quality, hashes, sigs = [], [], [], [], [], [], [], []
-    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA) if key is None else open_planned(shard, key)
     has_quality = "quality" in parquet.schema_arrow.names
     columns = ["id", "text", "kind", "source", "lang", "path"] + (["quality"] if has_quality else [])
     for batch in shard_batches(parquet, shard, batch_size=batch_rows, columns=columns, max_bytes=batch_bytes):
@@ -390,7 +392,7 @@ def write_shard(index: int, shard: str, out_dir: str, params: Params, key: str,
     if done is not None:
         return done
     started = time.perf_counter()
-    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    parquet = open_planned(shard, key)
     if parquet.metadata.num_rows != len(verdicts.reason):
         raise AssayError(f"{shard}: {parquet.metadata.num_rows} rows, but the reduce judged {len(verdicts.reason)}; "
                          "the shard changed during the run")

@@ -40,7 +40,7 @@ from assay.allocator import bound_heap_growth
 from assay.config import DomainModelParams, DomainParams, Params
 from assay.domain.perplexity import PerplexityScorer, estimate_band
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, KIND_CODE
-from assay.stages.shard_stage import scores_column, with_score_column
+from assay.stages.shard_stage import open_planned, scores_column, with_score_column
 from assay.shards import open_shard, shard_batches
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.code_langid import identify_languages
@@ -185,7 +185,7 @@ def domain_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
         return done
     started = time.perf_counter()
     models = load_models(params.domain)
-    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    parquet = open_planned(shard, key)
     writer = UnitWriter(out_dir, key, with_score_column(parquet.schema_arrow, PERPLEXITY), target_bytes=params.io.shard_bytes)
     try:
         for batch in shard_batches(parquet, shard, batch_size=params.io.batch_rows, max_bytes=params.io.batch_bytes):

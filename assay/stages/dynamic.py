@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 
 from assay.config import DynamicParams, Params
 from assay.errors import AssayError
-from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, TELEMETRY_SCHEMA
-from assay.shards import MANIFEST, open_shard, shard_batches
-from assay.stages.shard_stage import scores_column, with_score_column
+from assay.schema import DECISION_SCHEMA, TELEMETRY_SCHEMA
+from assay.shards import MANIFEST, shard_batches
+from assay.stages.shard_stage import file_fingerprint, open_planned, scores_column, with_score_column
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.dynamic import build_dynamic_filters, judge, signals_for
 
@@ -64,6 +64,21 @@ def require_signals(scores_dir: str | Path, run_dir: str | Path) -> None:
     """Fail with a clear message, before any work, when the scores or the telemetry are missing."""
     _score_parts(scores_dir)
     _telemetry_parts(run_dir)
+
+
+def signals_fingerprint(scores_dir: str | Path, run_dir: str | Path) -> dict[str, str]:
+    """What the verdicts are made from besides the input shards: a content hash of each folder."""
+    return {"scores": file_fingerprint(scores_dir), "telemetry": file_fingerprint(Path(run_dir) / "telemetry")}
+
+
+def require_same_signals(scores_dir: str | Path, run_dir: str | Path, planned: dict[str, str]) -> None:
+    """Refuse to commit verdicts made from signals that a score or training run replaced during this run."""
+    now = signals_fingerprint(scores_dir, run_dir)
+    where = {"scores": str(scores_dir), "telemetry": str(Path(run_dir) / "telemetry")}
+    changed = [where[k] for k in planned if now[k] != planned[k]]
+    if changed:
+        raise AssayError(f"{' and '.join(changed)}: changed during this run (a newer `assay score` or training "
+                         "run wrote there); nothing was published; rerun this stage")
 
 
 def read_scores(scores_dir: str | Path) -> pa.Table:
@@ -108,7 +123,7 @@ def dynamic_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     if done is not None:
         return done
     started = time.perf_counter()
-    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    parquet = open_planned(shard, key)
     schema = with_score_column(parquet.schema_arrow, ALIGNMENT)
     table = {name: judged.column(name).combine_chunks() for name in judged.column_names}
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes)

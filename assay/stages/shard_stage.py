@@ -3,6 +3,12 @@
 A filtering stage (static, domain) runs one task per input shard. The unit
 key ties a task's staged output to its shard's name, size and mtime, so a
 rerun after a crash redoes only unfinished shards.
+
+The same key says whether a shard is still the file the stage planned on. An
+upstream stage rerun publishes a new version under the same part names; a
+stage reading across that would judge parts of two versions as one input.
+Each task checks its shard once it has it open, and the flow checks the whole
+input again before it commits.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.schema import DECISION_SCHEMA
-from assay.shards import list_shards, read_manifest, require_dataset
+from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
+from assay.shards import list_shards, open_shard, read_manifest, require_dataset
 from assay.staging import UnitResult
 
 
@@ -39,12 +46,33 @@ def plan_shards(input_dir: str | Path) -> list[ShardUnit]:
     shards = list_shards(input_dir)
     if not shards:
         raise AssayError(f"{input_dir}: has no part-*.parquet shards")
-    units = []
-    for i, shard in enumerate(shards):
-        st = shard.stat()
-        sig = hashlib.blake2b(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
-        units.append(ShardUnit(i, str(shard), f"{i:05d}-{sig}"))
-    return units
+    return [ShardUnit(i, str(shard), f"{i:05d}-{_signature(shard)}") for i, shard in enumerate(shards)]
+
+
+def _signature(shard: Path) -> str:
+    st = shard.stat()
+    return hashlib.blake2b(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+
+
+def open_planned(shard: str, key: str) -> pq.ParquetFile:
+    """A task's input shard, opened, if it is still the file its unit key was planned on."""
+    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    # Checked once the file is open: the reader keeps it open, so what it reads is what was planned.
+    if not key.endswith("-" + _signature(Path(shard))):
+        raise AssayError(f"{shard}: replaced since this stage planned its run (an upstream stage published "
+                         "a new version of its input); rerun this stage")
+    return parquet
+
+
+def require_unchanged(input_dir: str | Path, units: Sequence[ShardUnit]) -> None:
+    """Refuse to commit output judged from an input that changed during the run, naming a changed shard."""
+    now = plan_shards(input_dir)
+    if [u.key for u in now] != [u.key for u in units]:
+        planned = {Path(u.shard).name: u.key for u in units}
+        changed = next((Path(u.shard).name for u in now if planned.get(Path(u.shard).name) != u.key),
+                       f"{len(units)} shards planned, {len(now)} now")
+        raise AssayError(f"{input_dir}: changed during this run ({changed}: an upstream stage published a new "
+                         "version); nothing was published; rerun this stage")
 
 
 def with_score_column(input_schema: pa.Schema, name: str) -> pa.Schema:

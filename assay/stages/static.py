@@ -30,9 +30,9 @@ from assay.allocator import bound_heap_growth
 from assay.config import Params, StaticParams
 from assay.encoder import Encoder, shared_encoder
 from assay.quality.scorer import Scorer, build_scorer, encoder_for
-from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA, KIND_TEXT, embedding_schema
-from assay.stages.shard_stage import scores_column, with_score_column
-from assay.shards import open_shard, shard_batches
+from assay.schema import DECISION_SCHEMA, KIND_TEXT, embedding_schema
+from assay.stages.shard_stage import open_planned, scores_column, with_score_column
+from assay.shards import shard_batches
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.base import Filter
 from filters.heuristics import apply_by_source, build_heuristics, check_source_rules
@@ -116,7 +116,7 @@ def static_unit(index: int, shard: str, out_dir: str, params: Params, key: str,
     started = time.perf_counter()
     static = params.static
     models = load_models(static)
-    parquet = open_shard(shard, shard, DOCUMENT_SCHEMA)
+    parquet = open_planned(shard, key)
     schema = with_score_column(parquet.schema_arrow, QUALITY)
     writer = UnitWriter(out_dir, key, schema, target_bytes=params.io.shard_bytes,
                         extra={EMBEDDINGS: embedding_schema(models.encoder.dim)})
