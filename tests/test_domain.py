@@ -325,6 +325,22 @@ def test_missing_model_fails_fast_naming_the_command(tier3, tmp_path):
         domain_flow(str(tier3["raw"]), str(tmp_path / "out"), params_file=str(bad))
 
 
+def test_an_input_republished_after_every_task_read_it_is_not_published(tier3, tmp_path, monkeypatch):
+    """Each task read the shard it planned on; then an upstream rerun published a new input
+    version before the commit. The run stops naming a changed shard, and publishes nothing."""
+    import flows.domain
+    from assay.stages.domain import domain_unit
+    from republish import RepublishAfter
+
+    source = shutil.copytree(tier3["raw"], tmp_path / "raw")
+    upstream = RepublishAfter(source, tmp_path / "scratch", len(list(source.glob("part-*.parquet"))))
+    monkeypatch.setattr(flows.domain, "domain_shard_task", upstream.task_of(domain_unit, "domain-shard"))
+    out = tmp_path / "domain"
+    with pytest.raises(AssayError, match=r"raw: changed during this run \(part-00000.parquet"):
+        flows.domain.domain_flow(str(source), str(out), params_file=str(tier3["params"]))
+    assert upstream.finished == upstream.n and not out.exists()
+
+
 def test_mix_holds_the_asked_share_and_rejects_a_share_outside_0_1():
     from assay.domain.evaluate import LabelledVerdicts
 

@@ -380,33 +380,28 @@ def test_cli_writes_the_curated_dataset_with_a_decision_for_every_document(tmp_p
     assert len(missing.stderr.strip().splitlines()) == 1
 
 
-def test_scores_rewritten_during_the_run_are_not_published(tmp_path, prefect_harness, monkeypatch):
-    """Every task wrote its shard from verdicts made of the scores read at the start; a newer
-    `assay score` then replaced them. The manifest would name the new scores over the old ones'
-    verdicts: the run stops, naming the folder, and publishes nothing."""
-    from prefect import task
-    from prefect.cache_policies import NO_CACHE
-
+@pytest.mark.parametrize("changed, message", [
+    ("data", r"data: changed during this run \(part-00000.parquet"),
+    ("scores", r"scores: changed during this run"),
+])
+def test_inputs_changed_during_the_run_are_not_published(tmp_path, prefect_harness, monkeypatch, changed, message):
+    """The one task wrote its shard from verdicts made of what the run read at its start; then an
+    upstream stage republished the dataset, or a newer `assay score` its scores. The manifest
+    would name the new input over the old one's verdicts: the run stops, naming the folder, and
+    publishes nothing."""
     import flows.dynamic
     from assay.errors import AssayError
     from assay.stages.dynamic import dynamic_unit
+    from republish import RepublishAfter
 
     data, ids, params = write_stage_inputs(tmp_path)
-    part = tmp_path / "scores" / "part-00000.parquet"
-
-    def unit_then_rescore(index, shard, out_dir, params, key, judged):  # the task's parameters, for Prefect's map
-        result = dynamic_unit(index, shard, out_dir, params, key, judged)
-        table = pq.read_table(part)
-        pq.write_table(table.slice(1), part)  # one task: the input is one shard
-        return result
-
-    monkeypatch.setattr(flows.dynamic, "dynamic_shard_task", task(unit_then_rescore, name="dynamic-shard",
-                                                                  cache_policy=NO_CACHE))
+    upstream = RepublishAfter(tmp_path / changed, tmp_path / "scratch", 1)
+    monkeypatch.setattr(flows.dynamic, "dynamic_shard_task", upstream.task_of(dynamic_unit, "dynamic-shard"))
     out = tmp_path / "curated"
-    with pytest.raises(AssayError, match=r"scores: changed during this run"):
+    with pytest.raises(AssayError, match=message):
         flows.dynamic.dynamic_flow(str(data), str(tmp_path / "scores"), str(tmp_path / "run"), str(out),
                                    params_file=str(params))
-    assert not out.exists()
+    assert upstream.finished == 1 and not out.exists()
 
 
 # ------------------------------------------------------------------ planted corruption, end to end
