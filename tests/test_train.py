@@ -500,6 +500,21 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
         list(reading)
 
 
+def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_harness, tmp_path, capsys):
+    from flows.train import train_flow
+    from republish import republish
+
+    repo, env, dvc = _dvc_repo(tmp_path / "repo")
+    data = write_documents(repo / "data/ds", stdlib_documents(6), source="v1")
+    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    republish(data, tmp_path)  # a stage run outside dvc repro
+    params_file = _params_file(tmp_path, tiny_params(steps=3))
+    metrics = train_flow(str(data), str(tmp_path / "run"), device="cpu", params_file=str(params_file))
+    assert metrics["data"]["modified_since_dvc"] is True and metrics["data"]["data_hash"].startswith("local-")
+    captured = capsys.readouterr()
+    assert "data/ds differs from what DVC recorded for it" in captured.out + captured.err
+
+
 def test_an_untracked_edit_that_keeps_every_size_changes_the_identity(tmp_path):
     data = write_documents(tmp_path / "ds", stdlib_documents(4), source="v1")
     before = open_version(data)
