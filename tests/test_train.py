@@ -500,7 +500,15 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
         list(reading)
 
 
-def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_harness, tmp_path, capsys):
+def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_harness, tmp_path):
+    """The line goes to the flow run's log, read back from the harness's Prefect API, which is
+    where a user sees it in the UI (the console's handler depends on what ran before)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
     from flows.train import train_flow
     from republish import republish
 
@@ -509,10 +517,17 @@ def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_
     _git([dvc, "add", "-q", "data/ds"], repo, env)
     republish(data, tmp_path)  # a stage run outside dvc repro
     params_file = _params_file(tmp_path, tiny_params(steps=3))
-    metrics = train_flow(str(data), str(tmp_path / "run"), device="cpu", params_file=str(params_file))
+    state = train_flow(str(data), str(tmp_path / "run"), device="cpu", params_file=str(params_file), return_state=True)
+    metrics = state.result()
     assert metrics["data"]["modified_since_dvc"] is True and metrics["data"]["data_hash"].startswith("local-")
-    captured = capsys.readouterr()
-    assert "data/ds differs from what DVC recorded for it" in captured.out + captured.err
+    APILogWorker.drain_all()  # the log lines the flow sent, delivered before they are read back
+
+    async def messages() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        return [log.message for log in logs]
+
+    assert any("data/ds differs from what DVC recorded for it" in m for m in asyncio.run(messages()))
 
 
 def test_an_untracked_edit_that_keeps_every_size_changes_the_identity(tmp_path):
