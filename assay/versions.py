@@ -154,7 +154,7 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
             raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
         return _plain(given, absolute, commit)
     if rev is None and absolute.is_dir():
-        return _workspace(given, absolute, root, prefix, dvc_info["md5"], commit)
+        return _workspace(given, absolute, fs.repo, prefix, dvc_info["md5"], commit)
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
@@ -179,7 +179,7 @@ def _plain(given: str, absolute: Path, commit: str | None = None, *, modified: b
     return DatasetVersion(given, None, commit, data_hash, False, names, modified=modified, _files=files)
 
 
-def _workspace(given: str, absolute: Path, root: Path, prefix: str, md5: str, commit: str | None) -> DatasetVersion:
+def _workspace(given: str, absolute: Path, repo: Any, prefix: str, md5: str, commit: str | None) -> DatasetVersion:
     """A DVC-tracked dataset as the workspace holds it, read from disk like an untracked one.
 
     DVC's filesystem reads a workspace file from disk, and would name it by the hash DVC
@@ -189,21 +189,25 @@ def _workspace(given: str, absolute: Path, root: Path, prefix: str, md5: str, co
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards")
-    before = {name: _file_id(absolute / name) for name in names}
-    if not _as_dvc_recorded(root, prefix):
+    before = _file_ids(absolute, names)
+    if not _as_dvc_recorded(repo, prefix):
         return _plain(given, absolute, commit, modified=True)
-    if _shard_names(os.listdir(absolute)) != names or {n: _file_id(absolute / n) for n in names} != before:
+    if _shard_names(os.listdir(absolute)) != names or _file_ids(absolute, names) != before:
         raise AssayError(f"{given} was replaced while it was being opened (a stage published a new version); rerun")
     return DatasetVersion(given, None, commit, md5, True, names, _files=before)
 
 
-def _as_dvc_recorded(root: Path, prefix: str) -> bool:
-    """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it."""
-    from dvc.repo import Repo
+def _file_ids(directory: Path, names: list[str]) -> dict[str, tuple[int, int]]:
+    return {name: _file_id(directory / name) for name in names}
 
-    with Repo(str(root)) as repo:
-        # A relative target is taken from the repository's root (an absolute one from the cwd).
-        status = repo.data_status(targets=[prefix])
+
+def _as_dvc_recorded(repo: Any, prefix: str) -> bool:
+    """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it.
+
+    `repo` is the workspace's DVC repository, the one `open_version`'s filesystem already loaded.
+    """
+    # A relative target is taken from the repository's root (an absolute one from the cwd).
+    status = repo.data_status(targets=[prefix])
 
     def under(entry: str) -> bool:
         entry = entry.rstrip("/")

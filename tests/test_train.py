@@ -478,8 +478,8 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
     # A version published while DVC is being asked: its answer may be about either, so the open stops.
     asked = versions._as_dvc_recorded
 
-    def then_publish(root, prefix):
-        answer = asked(root, prefix)
+    def then_publish(repo, prefix):
+        answer = asked(repo, prefix)
         publish("v2b")
         return answer
 
