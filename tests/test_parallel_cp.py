@@ -119,6 +119,7 @@ def _compare(rank, single, shard, distributed):
 
 def _op_worker(rank: int, world: int, store: str, result: str) -> None:
     from training.parallel.context_parallel import sharded_sparse_attention
+    from training.parallel.distributed import leave
     from training.parallel.ring_attention import ring_attention
 
     torch.set_num_threads(1)
@@ -140,7 +141,7 @@ def _op_worker(rank: int, world: int, store: str, result: str) -> None:
     for kind in ("dense", "sparse"):
         errors[f"model-{kind}"] = _model_errors(rank, world, kind)
     torch.save(errors, f"{result}.{rank}")
-    dist.destroy_process_group()
+    leave()  # not a plain return: see leave()
 
 
 def _model_errors(rank: int, world: int, kind: str) -> list[float]:

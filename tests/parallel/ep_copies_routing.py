@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from parallel.moe_fsdp_routing import DIM, ONE_RANK, SILENT, Layer, loss_weights, reference_moe
 from training.moe import MoE
+from training.parallel.distributed import leave
 from training.parallel.expert_parallel import apply_expert_parallel, plain_expert_parameters, shard_experts
 
 WORLD, EP = 4, 2
@@ -81,3 +82,4 @@ def check(rank: int, world: int, port: int, result_file: str) -> None:
             handle.write("ok\n")
     finally:
         dist.destroy_process_group()
+    leave()  # the group outlives destroy_process_group where DTensor ran: see leave()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from training.moe import MoE
+from training.parallel.distributed import leave
 from training.parallel.expert_parallel import apply_expert_parallel
 
 DIM, HIDDEN, EXPERTS, TOPK = 8, 16, 4, 2
@@ -73,3 +74,4 @@ def check(rank: int, world: int, port: int, bias: list[float], result_file: str)
             handle.write(f"ok {received}\n")
     finally:
         dist.destroy_process_group()
+    leave()  # the group outlives destroy_process_group where DTensor ran: see leave()

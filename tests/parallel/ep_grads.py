@@ -17,7 +17,7 @@ import torch
 from assay.config import load_params
 from assay.versions import open_version
 from training.data import batch_rows, make_batch
-from training.parallel.distributed import init_distributed, shutdown
+from training.parallel.distributed import init_distributed, run_rank, shutdown
 from training.parallel.setup import Parallel
 from training.tokenizer import load_tokenizer
 from training.trainer import _rows, build_model, forward_backward
@@ -61,4 +61,4 @@ def main(data: str, run: str, params_file: str, overrides: str, out: str) -> Non
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_rank(lambda: main(*sys.argv[1:]))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from training.parallel.distributed import init_distributed, shutdown
+from training.parallel.distributed import init_distributed, leave
 
 out, mode = Path(sys.argv[1]), (sys.argv[2] if len(sys.argv) > 2 else "")
 world = init_distributed()
@@ -26,4 +26,4 @@ if mode == "fail-once" and attempt == 0 and world.rank == 1:
 if mode == "hang":
     time.sleep(600)
 world.barrier()
-shutdown()
+leave()

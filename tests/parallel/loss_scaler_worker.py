@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from training.parallel.distributed import run_rank
 from training.parallel.loss_scaling import AgreedGradScaler
 
 
@@ -59,4 +60,4 @@ def main(out: str, which: str, kinds: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    run_rank(lambda: main(*sys.argv[1:4]))

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 from training.moe import MoE
 from training.parallel.data_parallel import join_experts_routed_in_group
+from training.parallel.distributed import leave
 
 DIM, HIDDEN, EXPERTS, TOPK = 8, 16, 4, 2
 SILENT, ONE_RANK = 2, 3  # no token reaches expert 2; only rank 0's reach expert 3
@@ -102,3 +103,4 @@ def check(rank: int, world: int, port: int, join: bool, result_file: str) -> Non
             handle.write("ok\n")
     finally:
         dist.destroy_process_group()
+    leave()  # the group outlives destroy_process_group where DTensor ran: see leave()

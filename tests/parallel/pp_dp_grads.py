@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from grad_worker import full_grads, step_one  # the same directory: torchrun runs this file as a script
-from training.parallel.distributed import shutdown
+from training.parallel.distributed import run_rank, shutdown
 
 
 def main(data: str, run: str, params_file: str, overrides: str, out: str, prime: str = "") -> None:
@@ -47,4 +47,4 @@ def main(data: str, run: str, params_file: str, overrides: str, out: str, prime:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_rank(lambda: main(*sys.argv[1:]))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from training.data import TokenRows, batch_rows, make_batch
 from training.model import ModelArgs, Transformer
-from training.parallel.distributed import init_distributed, shutdown
+from training.parallel.distributed import init_distributed, run_rank, shutdown
 from training.trainer import forward_backward
 
 SEQ = 32
@@ -96,4 +96,4 @@ def main(config: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_rank(lambda: main(*sys.argv[1:]))

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from training.grad_norms import per_document_loss_and_grad_norm
 from training.model import ModelArgs, Transformer
+from training.parallel.distributed import run_rank
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -59,4 +60,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_rank(lambda: main(sys.argv[1]))

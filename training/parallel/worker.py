@@ -21,7 +21,7 @@ from assay.config import load_params
 from assay.errors import AssayError
 from assay.versions import open_version
 from training.checkpoint import latest_checkpoint
-from training.parallel.distributed import init_distributed, shutdown
+from training.parallel.distributed import init_distributed, run_rank, shutdown
 from training.trainer import train
 
 
@@ -68,11 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         version = open_version(args.data, args.rev)
         result = train(version, args.out, params, resume=resume, overwrite=overwrite,
                        allow_data_change=args.allow_data_change, device=args.device, on_step=report_recovery)
-        # Every rank past its last collective before any tears its group down: once (1 of 53 parallel
-        # tests in a loaded CI run) rank 0 aborted in teardown ("terminate called without an active
-        # exception") after a DDP run had finished and written everything. The barrier made it rarer,
-        # not impossible: seen again 2026-12-03 (rank 1 of a DDP + ZeRO-1 test, `make test` beside
-        # `make test-slow`), after the run's output was complete; its cause is not found.
+        # Every rank past its last collective before any leaves: a rank that ended while a peer
+        # still waited on it would break that peer.
         world.barrier()
         if world.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.metrics["final_loss"],
@@ -86,4 +83,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(main)  # not sys.exit: see leave() for the abort a plain exit risks
