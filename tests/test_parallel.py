@@ -24,6 +24,7 @@ from assay.config import load_params
 from assay.errors import AssayError
 from assay.versions import open_version
 from corpus import stdlib_documents, write_documents
+from dvc_repo import dvc_repo, run_ok
 from ports import free_port
 from training.checkpoint import latest_checkpoint, load_checkpoint
 from training.parallel.batches import assign_documents, local_batch
@@ -165,6 +166,41 @@ def test_parallel_training_matches_one_process(workspace, nproc, layout, tmp_pat
         assert tel[key][0] == pytest.approx(loss, rel=1e-5) and tel[key][1] == pytest.approx(norm, rel=1e-4)
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["parallel"]["world_size"] == nproc
+
+
+def test_ranks_name_a_dvc_tracked_workspace_dataset_by_dvcs_hash(workspace, tmp_path):
+    """Each rank opens the dataset and asks DVC's status of it as it starts (DVC's state is one SQLite
+    file): both find it as recorded, agree, and the run is named by DVC's `.dir` hash."""
+    _, _, params_file, _ = workspace
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
+    write_documents(repo / "data/ds", stdlib_documents(14), source="stdlib")
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "data"], repo, env)
+    run = tmp_path / "run"
+    _torchrun(2, ["--data", str(repo / "data/ds"), "--out", str(run), "--params-file", str(params_file),
+                  "--parallel", json.dumps({"dp_shard": 2})], module="training.parallel.worker")
+    data = json.loads((run / "metrics.json").read_text())["data"]
+    assert data["data_hash"].endswith(".dir") and data["data_hash"] == open_version(repo / "data/ds").data_hash
+    assert data["tracked"] and not data["modified_since_dvc"]
+
+
+def test_ranks_that_opened_different_versions_stop_before_training(workspace, tmp_path):
+    """A version published between two ranks' opens would have them train on different data under rank
+    0's name: every rank stops, naming both versions, and nothing is written."""
+    _, data, params_file, _ = workspace
+    other = write_documents(tmp_path / "other", stdlib_documents(14, offset=14), source="stdlib")
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(HERE / "parallel" / "split_version_worker.py"), str(other), "--data", str(data),
+                           "--out", str(run), "--params-file", str(params_file), "--parallel",
+                           json.dumps({"dp_shard": 2})], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0, done.stdout[-2000:]
+    for rank, path in ((0, data), (1, other)):
+        assert f"rank {rank}: error: {path}: the ranks opened different versions of it" in done.stderr
+    assert open_version(data).data_hash in done.stderr and open_version(other).data_hash in done.stderr
+    assert latest_checkpoint(run) is None and not (run / "metrics.json").exists()
 
 
 def test_bf16_under_fsdp_trains_like_one_process_in_bf16(workspace, tmp_path):

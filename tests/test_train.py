@@ -22,6 +22,7 @@ from assay.config import TrainModelParams, TrainParams, TrainTelemetryParams
 from assay.errors import AssayError
 from assay.versions import open_version
 from corpus import stdlib_documents, write_documents
+from dvc_repo import dvc_repo, run_ok
 from training.data import batch_rows, build_rows, is_holdout, make_batch
 from training.spikes import SpikeDetector
 from training.telemetry import read_telemetry
@@ -396,34 +397,17 @@ def test_resume_after_kill_9_is_bit_exact(stdlib_data, tmp_path):
 
 
 # ------------------------------------------------------------------ DVC revisions
-def _git(args, cwd, env):
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def _dvc_repo(repo: Path) -> tuple[Path, dict, str]:
-    """A new git + DVC repository: its path, an environment for commits in it, the dvc executable."""
-    repo.mkdir()
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@example.com")
-    dvc = str(BIN / "dvc")
-    _git(["git", "init", "-q"], repo, env)
-    _git([dvc, "init", "-q"], repo, env)
-    return repo, env, dvc
-
-
 def test_training_reads_the_version_committed_at_a_rev(tmp_path):
-    repo, env, dvc = _dvc_repo(tmp_path / "repo")
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
     write_documents(repo / "data/ds", stdlib_documents(6), source="v1")
-    _git([dvc, "add", "-q", "data/ds"], repo, env)
-    _git(["git", "add", "-A"], repo, env)
-    _git(["git", "commit", "-qm", "v1"], repo, env)
-    _git(["git", "tag", "v1"], repo, env)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "v1"], repo, env)
+    run_ok(["git", "tag", "v1"], repo, env)
     shutil.rmtree(repo / "data/ds")
     write_documents(repo / "data/ds", stdlib_documents(6, offset=6), source="v2")
-    _git([dvc, "add", "-q", "data/ds"], repo, env)
-    _git(["git", "commit", "-qam", "v2"], repo, env)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok(["git", "commit", "-qam", "v2"], repo, env)
 
     old, new = open_version(repo / "data/ds", rev="v1"), open_version(repo / "data/ds")
     assert old.tracked and new.tracked and old.data_hash != new.data_hash
@@ -449,12 +433,12 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
     from assay import versions
     from assay.shards import publish_directory
 
-    repo, env, dvc = _dvc_repo(tmp_path / "repo")
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
     data = repo / "data/ds"
     write_documents(data, stdlib_documents(6), source="v1", target_bytes=1)
-    _git([dvc, "add", "-q", "data/ds"], repo, env)
-    _git(["git", "add", "-A"], repo, env)
-    _git(["git", "commit", "-qm", "v1"], repo, env)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "v1"], repo, env)
     recorded = open_version(data)
     assert recorded.tracked and not recorded.modified and recorded.data_hash.endswith(".dir")
 
@@ -471,7 +455,7 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
     sources = {s for b in changed.iter_batches(columns=["source"]) for s in b.column("source").to_pylist()}
     assert sources == {"v2"}
 
-    _git([dvc, "add", "-q", "data/ds"], repo, env)  # recorded now: DVC's hash names it again
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)  # recorded now: DVC's hash names it again
     again = open_version(data)
     assert again.tracked and not again.modified and again.data_hash not in (recorded.data_hash, changed.data_hash)
 
@@ -487,7 +471,7 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
     with pytest.raises(AssayError, match="was replaced while it was being opened"):
         open_version(data)
     monkeypatch.undo()
-    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
     again = open_version(data)
     assert again.tracked and not again.modified
 
@@ -512,9 +496,9 @@ def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_
     from flows.train import train_flow
     from republish import republish
 
-    repo, env, dvc = _dvc_repo(tmp_path / "repo")
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
     data = write_documents(repo / "data/ds", stdlib_documents(6), source="v1")
-    _git([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
     republish(data, tmp_path)  # a stage run outside dvc repro
     params_file = _params_file(tmp_path, tiny_params(steps=3))
     state = train_flow(str(data), str(tmp_path / "run"), device="cpu", params_file=str(params_file), return_state=True)

@@ -204,6 +204,15 @@ def evaluate(model: Transformer, rows: TokenRows, params: TrainParams, device: t
 
 
 # ------------------------------------------------------------------ run setup
+def _require_one_version(version: DatasetVersion, every_rank: list[str]) -> None:
+    """Each rank opens the dataset itself; a version published between two ranks' opens would have
+    them train on different data under rank 0's name. Every rank sees the same list, so all stop."""
+    if len(set(every_rank)) > 1:
+        named = ", ".join(f"rank {r}: {h}" for r, h in enumerate(every_rank))
+        raise AssayError(f"{version.path}: the ranks opened different versions of it ({named}); a new version "
+                         "was published while the run started, or a rank sees another copy. Run again")
+
+
 def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume: bool, overwrite: bool,
                  allow_data_change: bool) -> Path | None:
     """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
@@ -315,6 +324,7 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
     dev = pick_device(device or params.device)
     if dev.type == "cuda" and world.distributed:
         dev = torch.device("cuda", world.local_rank % torch.cuda.device_count())
+    _require_one_version(version, world.gather(version.data_hash))
     checkpoint = world.on_main(lambda: _prepare_run(out, version, params, resume, overwrite, allow_data_change))
     torch.manual_seed(params.seed)
 

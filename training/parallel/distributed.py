@@ -60,6 +60,14 @@ class Distributed:
             raise value
         return value
 
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank (a picklable value: a name, a hash)."""
+        if not self.distributed:
+            return [value]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, value)
+        return every
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of ``value`` over all ranks (a new tensor; the input is untouched)."""
         if not self.distributed:
