@@ -87,14 +87,20 @@ def workspace(tmp_path_factory):
     return root, data, params_file, single
 
 
-def _torchrun(nproc: int, args: list[str], module: str | None = None, script: Path | None = None,
-              timeout: int = 600) -> str:
-    """`torchrun --standalone` with one thread per rank; fails the test with the ranks' output; returns stderr."""
+def _launch(nproc: int, args: list[str], module: str | None = None, script: Path | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` with one thread per rank; the finished launch, its output captured."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     target = ["-m", module] if module else [str(script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *target, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(nproc: int, args: list[str], module: str | None = None, script: Path | None = None,
+              timeout: int = 600) -> str:
+    """`_launch`, failing the test with the ranks' output unless every rank succeeded; returns stderr."""
+    done = _launch(nproc, args, module, script, timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done.stderr
 
@@ -191,11 +197,8 @@ def test_ranks_that_opened_different_versions_stop_before_training(workspace, tm
     _, data, params_file, _ = workspace
     other = write_documents(tmp_path / "other", stdlib_documents(14, offset=14), source="stdlib")
     run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(HERE / "parallel" / "split_version_worker.py"), str(other), "--data", str(data),
-                           "--out", str(run), "--params-file", str(params_file), "--parallel",
-                           json.dumps({"dp_shard": 2})], env=env, capture_output=True, text=True, timeout=600)
+    done = _launch(2, [str(other), "--data", str(data), "--out", str(run), "--params-file", str(params_file),
+                       "--parallel", json.dumps({"dp_shard": 2})], script=HERE / "parallel" / "split_version_worker.py")
     assert done.returncode != 0, done.stdout[-2000:]
     for rank, path in ((0, data), (1, other)):
         assert f"rank {rank}: error: {path}: the ranks opened different versions of it" in done.stderr

@@ -21,7 +21,7 @@ from assay.config import load_params
 from assay.errors import AssayError
 from assay.versions import open_version
 from training.checkpoint import latest_checkpoint
-from training.parallel.distributed import init_distributed, run_rank, shutdown
+from training.parallel.distributed import init_distributed, run_rank
 from training.trainer import train
 
 
@@ -77,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except AssayError as exc:
         print(f"rank {world.rank}: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        shutdown()
-    return 0
+    return 0  # run_rank destroys the group, on every path
 
 
 if __name__ == "__main__":
