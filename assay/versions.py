@@ -205,6 +205,10 @@ def _as_dvc_recorded(repo: Any, prefix: str) -> bool:
     """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it.
 
     `repo` is the workspace's DVC repository, the one `open_version`'s filesystem already loaded.
+    Its index (dvc.lock and the .dvc files) is cached from that load, so the status compares the
+    workspace with the record the md5 came from, even if `dvc add` or `dvc repro` records a new
+    version in between: the new bytes are found modified, never named by the old md5
+    (tests/test_train.py pins this, should a DVC release reload the index here).
     """
     # A relative target is taken from the repository's root (an absolute one from the cwd).
     status = repo.data_status(targets=[prefix])

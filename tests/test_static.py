@@ -1,8 +1,10 @@
 """Tier 1 end to end: a real head trained here, the real encoder, the Prefect flow."""
 
 import json
+import os
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +206,38 @@ def test_a_shard_replaced_after_planning_is_refused_by_its_task_and_at_the_commi
         static_unit(units[0].index, units[0].shard, str(tmp_path / "out"), params, units[0].key)
     with pytest.raises(AssayError, match=r"raw: changed during this run \(part-00000.parquet"):
         require_unchanged(source, units)
+
+
+def test_a_shard_edited_in_place_keeping_its_size_and_mtime_is_still_a_changed_shard(tier1, tmp_path):
+    """An edit that rewrites bytes in place and sets the mtime back (os.utime, `touch -d`,
+    `rsync -t`) keeps the name, size and mtime; the ctime it cannot keep names the change."""
+    from assay.config import load_params
+    from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint
+    from assay.stages.static import static_unit
+
+    source = shutil.copytree(tier1["raw"], tmp_path / "raw")
+    time.sleep(0.05)  # past the copy's timestamps, on a file system whose clock is coarse
+    units = plan_shards(source)
+    shard = Path(units[0].shard)
+    before = shard.stat()
+    original = shard.read_bytes()
+    at = original.rfind(b"parquet-cpp-arrow")  # the footer's created_by: the file stays a valid shard
+    assert at > 0
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        f.write(b"P")
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert shard.read_bytes() != original and pq.read_table(shard).num_rows > 0
+
+    params = load_params(tier1["params"])
+    with pytest.raises(AssayError, match=r"part-00000.parquet: replaced since this stage planned its run"):
+        static_unit(units[0].index, units[0].shard, str(tmp_path / "out"), params, units[0].key)
+    with pytest.raises(AssayError, match=r"raw: changed during this run \(part-00000.parquet"):
+        require_unchanged(source, units)
+    # A later run does not take its output, or a killed run's staged units, as made from these bytes.
+    assert stage_fingerprint(plan_shards(source), {}) != stage_fingerprint(units, {})
 
 
 def test_an_input_republished_after_every_task_read_it_is_not_published(tier1, tmp_path, monkeypatch):

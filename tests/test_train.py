@@ -484,6 +484,42 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
         list(reading)
 
 
+def test_a_version_recorded_between_reading_dvcs_hash_and_asking_its_status_is_named_by_its_bytes(
+        tmp_path, monkeypatch):
+    """`open_version` reads the recorded md5, then asks DVC's status of the workspace. A new
+    version published and recorded (`dvc add`, or a `dvc repro` writing dvc.lock) in between must
+    not be named by the old md5. It is not: DVC's repository keeps the index it loaded for the md5
+    (`Repo.index` is cached), and the status compares the workspace with that index, so the new
+    bytes are found modified and named by their digest."""
+    from assay import versions
+    from assay.shards import publish_directory
+
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
+    data = repo / "data/ds"
+    write_documents(data, stdlib_documents(6), source="v1", target_bytes=1)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    old = open_version(data)
+    assert old.tracked and not old.modified
+
+    opened = versions._workspace
+
+    def recorded_after_the_hash_was_read(given, absolute, dvc_repo_, prefix, md5, commit):
+        assert md5 == old.data_hash  # the md5 open_version read, before the new version exists
+        built = write_documents(tmp_path / "built", stdlib_documents(6, offset=6), source="v2", target_bytes=1)
+        publish_directory(built, data, tmp_path / "aside")
+        run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+        return opened(given, absolute, dvc_repo_, prefix, md5, commit)
+
+    monkeypatch.setattr(versions, "_workspace", recorded_after_the_hash_was_read)
+    raced = open_version(data)
+    monkeypatch.undo()
+    assert raced.data_hash != old.data_hash
+    assert raced.modified and raced.data_hash == open_version(shutil.copytree(data, tmp_path / "copy")).data_hash
+    assert {s for b in raced.iter_batches(columns=["source"]) for s in b.column("source").to_pylist()} == {"v2"}
+    now = open_version(data)  # opened afresh, the new version is named by DVC's new record
+    assert now.tracked and not now.modified and now.data_hash not in (old.data_hash, raced.data_hash)
+
+
 def test_the_train_flow_says_when_tracked_data_differs_from_dvcs_record(prefect_harness, tmp_path):
     """The line goes to the flow run's log, read back from the harness's Prefect API, which is
     where a user sees it in the UI (the console's handler depends on what ran before)."""

@@ -1,8 +1,8 @@
 """What every shard-by-shard stage shares: units, fingerprints, summary, manifest.
 
 A filtering stage (static, domain) runs one task per input shard. The unit
-key ties a task's staged output to its shard's name, size and mtime, so a
-rerun after a crash redoes only unfinished shards.
+key ties a task's staged output to its shard's name, size, mtime and ctime, so
+a rerun after a crash redoes only unfinished shards.
 
 The same key says whether a shard is still the file the stage planned on. An
 upstream stage rerun publishes a new version under the same part names; a
@@ -51,7 +51,11 @@ def plan_shards(input_dir: str | Path) -> list[ShardUnit]:
 
 def _signature(shard: Path) -> str:
     st = shard.stat()
-    return hashlib.blake2b(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    # ctime too: an edit in place that keeps the size and sets the mtime back (os.utime, touch -d,
+    # rsync -t) still moves the ctime, which no user call can set. The cost is conservative: a
+    # chmod or a new hard link also moves it, and the shard is judged again rather than resumed.
+    stamp = f"{shard.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return hashlib.blake2b(stamp.encode(), digest_size=8).hexdigest()
 
 
 def open_planned(shard: str, key: str) -> pq.ParquetFile:
