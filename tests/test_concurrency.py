@@ -4,7 +4,6 @@ one is refused at once with a clear message; nothing is corrupted either way."""
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import time
@@ -13,15 +12,14 @@ from pathlib import Path
 import pytest
 
 from assay.shards import iter_batches
+from dvc_repo import dvc_repo, git_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
 def _env(tmp_path: Path) -> dict:
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PREFECT_HOME=str(tmp_path / "prefect"),
-                GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t",
-                GIT_COMMITTER_EMAIL="t@example.com")
+    return git_env(PREFECT_HOME=str(tmp_path / "prefect"))
 
 
 def _contents(dataset: Path) -> list[str]:
@@ -74,8 +72,8 @@ def test_a_second_dvc_repro_in_the_same_repo_is_refused_at_once(tmp_path):
         "os.replace('out.tmp', 'out.txt')\"\n"
         "    outs:\n"
         "      - out.txt\n")
-    for cmd in (["git", "init", "-q"], [str(BIN / "dvc"), "init", "-q"], ["git", "add", "-A"],
-                ["git", "commit", "-qm", "stage"]):
+    dvc_repo(repo)
+    for cmd in (["git", "add", "-A"], ["git", "commit", "-qm", "stage"]):
         subprocess.run(cmd, cwd=repo, env=env, check=True, capture_output=True)
     first = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=repo, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

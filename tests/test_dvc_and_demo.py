@@ -1,7 +1,6 @@
 """The demo corpus, and a real `dvc repro` of the ingest stage in a temporary git repo."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from assay.config import DemoParams
 from assay.ingest.demo import REFERENCE_SOURCES, SOURCE_METADATA, SOURCE_STDLIB, plan_demo
 from assay.ingest.plan import IngestOptions
 from corpus import tiny_pipeline_params
+from dvc_repo import dvc_repo as new_dvc_repo
 from dvc_reruns import check_reruns
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +49,10 @@ def _run(cmd, cwd, env):
 def dvc_repo(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", GIT_AUTHOR_NAME="t",
-               GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     params = tiny_pipeline_params(ROOT / "params.yaml")
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _run(["git", "init", "-q"], repo, env)
-    _run([str(BIN / "dvc"), "init", "-q"], repo, env)
-    _run([str(BIN / "dvc"), "remote", "add", "-d", "local", str(tmp_path / "remote")], repo, env)
+    _, env, _ = new_dvc_repo(repo, remote=tmp_path / "remote")
     _run(["git", "add", "-A"], repo, env)
     _run(["git", "commit", "-qm", "pipeline"], repo, env)
     return repo, env

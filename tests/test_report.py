@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import string
@@ -31,6 +30,7 @@ import yaml
 from assay.report_html import CHART_CLASS, ReportInputs, build_report, duplicate_clusters, why_stories
 from assay.schema import DECISION_SCHEMA
 from corpus import tiny_pipeline_params
+from dvc_repo import dvc_repo, git_env
 from assay.shards import ShardWriter, iter_batches, list_shards, write_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +43,6 @@ def _run(cmd, cwd, env, timeout=900):
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
-
-
-def _env() -> dict:
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", GIT_AUTHOR_NAME="t",
-                GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
 
 
 def _tiny_params() -> dict:
@@ -119,7 +114,7 @@ def pipeline(tmp_path_factory):
     """A real tiny pipeline to round 0 under DVC (one committed version), tier 2's outputs, and a real round 1."""
     repo = tmp_path_factory.mktemp("report") / "repo"
     repo.mkdir()
-    env = _env()
+    env = git_env()
     dvc_yaml = yaml.safe_load((ROOT / "dvc.yaml").read_text())
     dvc_yaml["stages"] = {k: v for k, v in dvc_yaml["stages"].items() if k in PIPELINE_STAGES}
     # Duplicates for dedup to find (the tiny demo has none): exact copies of one stdlib module, near copies of another.
@@ -134,8 +129,7 @@ def pipeline(tmp_path_factory):
     (repo / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml, sort_keys=False))
     params = _tiny_params()
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    _run(["git", "init", "-q"], repo, env)
-    _run([BIN / "dvc", "init", "-q"], repo, env)
+    dvc_repo(repo)
     _run(["git", "add", "-A"], repo, env)
     _run(["git", "commit", "-qm", "pipeline"], repo, env)
     _run([BIN / "dvc", "repro", "train"], repo, env)

@@ -9,7 +9,6 @@ stages for reasons that the diff must find in the right rev's decisions.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from assay.errors import AssayError
 from assay.history import NEW_INPUT, NOT_IN_INPUT, diff_versions, list_versions, release
 from assay.schema import document_id
+from dvc_repo import dvc_repo
 
 BIN = Path(sys.executable).parent
 DVC = str(BIN / "dvc")
@@ -82,19 +82,6 @@ def _run(cmd, cwd, env, check=True):
     return proc
 
 
-def _env():
-    return dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", GIT_AUTHOR_NAME="t",
-                GIT_AUTHOR_EMAIL="t@example.com", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
-
-
-def _init(repo: Path, env, remote: Path | None) -> None:
-    repo.mkdir()
-    _run(["git", "init", "-q"], repo, env)
-    _run([DVC, "init", "-q"], repo, env)
-    if remote is not None:  # before the first data commit: `dvc push` skips commits made before it
-        _run([DVC, "remote", "add", "-d", "local", str(remote)], repo, env)
-
-
 def _write_corpus(repo: Path, files: dict[str, str], max_chars: int) -> None:
     corpus = repo / "corpus"
     if corpus.exists():
@@ -112,8 +99,7 @@ WORDS = "the quick brown fox jumps over the lazy dog while the cat sleeps. "
 def two_versions(tmp_path_factory):
     """A repo with two committed data versions (v1, v2) and a README-only commit after them."""
     tmp = tmp_path_factory.mktemp("versions")
-    repo, env = tmp / "repo", _env()
-    _init(repo, env, tmp / "remote")
+    repo, env, _ = dvc_repo(tmp / "repo", remote=tmp / "remote")
     (repo / "dvc.yaml").write_text(DVC_YAML)
     (repo / "filter.py").write_text(FILTER)
     _write_corpus(repo, {"a.txt": "alpha " + WORDS, "b.txt": "beta " + WORDS, "c.txt": "gamma " + WORDS * 5,
@@ -235,9 +221,7 @@ def test_release_checks_then_pushes_and_tags(two_versions, tmp_path):
 
 
 def test_release_without_a_remote_says_how_to_add_one(tmp_path):
-    env = _env()
-    repo = tmp_path / "bare"
-    _init(repo, env, remote=None)
+    repo, env, _ = dvc_repo(tmp_path / "bare")
     _run(["git", "commit", "-qm", "init"], repo, env)
     proc = _run([ASSAY, "release", "r1", "--repo", str(repo)], repo, env, check=False)
     assert proc.returncode == 1
@@ -252,9 +236,7 @@ def test_versions_follow_dvc_add_files_too(tmp_path):
     without a manifest its documents are counted from the shards' Parquet footers."""
     from corpus import write_documents
 
-    env = _env()
-    repo = tmp_path / "added"
-    _init(repo, env, remote=None)
+    repo, env, _ = dvc_repo(tmp_path / "added")
     docs = [(f"doc{i}.txt", f"document number {i}") for i in range(5)]
     write_documents(repo / "data/hand", docs[:3])
     _run([DVC, "add", "-q", "data/hand"], repo, env)
