@@ -216,7 +216,7 @@ def test_a_shard_edited_in_place_keeping_its_size_and_mtime_is_still_a_changed_s
     from assay.stages.static import static_unit
 
     source = shutil.copytree(tier1["raw"], tmp_path / "raw")
-    time.sleep(0.05)  # past the copy's timestamps, on a file system whose clock is coarse
+    time.sleep(0.05)  # the edit's ctime past the copy's, where the kernel stamps files by its tick (1-10 ms)
     units = plan_shards(source)
     shard = Path(units[0].shard)
     before = shard.stat()
