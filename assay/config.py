@@ -709,6 +709,11 @@ class DynamicParams:
     grad_norm_high_z: float | None = 3.5
     #: RHO-LOSS (Mindermann et al. 2022): loss - reference-model loss, low end; used when ref_loss is scored.
     reducible_low_z: float | None = 3.5
+    #: Order sensitivity, low end: drop when the relative loss rise with each row's tokens shuffled
+    #: (score.order_rise) is below minus this z, within the alignment's strata. Language needs its
+    #: order and a bag of words does not: this sees the word-shuffled text that alignment, a
+    #: first-order signal, misses. Cut chosen before the draws it was checked on (BENCHMARKS.md tier 2).
+    order_rise_low_z: float | None = 2.0
     #: A document in a skipped step is dropped when its within-step z is above this.
     skipped_step_z: float | None = 6.0
     #: A draw is anomalous when the document's within-step z is above this ...
@@ -728,8 +733,8 @@ class DynamicParams:
             raise AssayError(f"dynamic.min_stratum_docs must be at least 2, not {self.min_stratum_docs}")
         if self.length_bands != sorted(self.length_bands) or any(b <= 0 for b in self.length_bands):
             raise AssayError(f"dynamic.length_bands must be increasing positive token counts, not {self.length_bands}")
-        for name in ("loss_high_z", "loss_low_z", "grad_norm_high_z", "reducible_low_z", "alignment_low_z",
-                     "alignment_high_z", "skipped_step_z"):
+        for name in ("loss_high_z", "loss_low_z", "grad_norm_high_z", "reducible_low_z", "order_rise_low_z",
+                     "alignment_low_z", "alignment_high_z", "skipped_step_z"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise AssayError(f"dynamic.{name} must be positive (a z-score distance) or null, not {value}")
@@ -781,6 +786,9 @@ class ScoringParams:
     #: 0.824 -> 0.870 and 0.805 -> 0.860 on fresh corpus draws, for about 1.04x the pass's CPU time
     #: (BENCHMARKS.md tier 2).
     components: str = "source"
+    #: Also score each document with each row's tokens shuffled (one more forward, no backward) and
+    #: write the relative rise of its loss, ``order_rise``: the dynamic filter's order signal.
+    order_rise: bool = True
 
     def __post_init__(self) -> None:
         if self.components not in ("none", "source"):

@@ -469,7 +469,7 @@ def _tier2_histograms(section: Section, inputs: ReportInputs, thresholds: Thresh
                      if "reference" in scores.column_names else np.zeros(scores.num_rows, dtype=bool))
         was_dropped = np.asarray(pc.is_in(scores.column("sample_id"), value_set=pa.array(sorted(dropped), pa.string()))
                                  .to_numpy(zero_copy_only=False), dtype=bool)
-        signals = [c for c in ("loss", "grad_norm", "alignment", "ref_loss") if c in scores.column_names]
+        signals = [c for c in ("loss", "grad_norm", "alignment", "order_rise", "ref_loss") if c in scores.column_names]
         columns = {c: np.asarray(pc.fill_null(scores.column(c).cast(pa.float64()), math.nan).to_numpy(zero_copy_only=False))
                    for c in signals}
         if "ref_loss" in columns and np.isfinite(columns["ref_loss"]).any():

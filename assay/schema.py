@@ -150,6 +150,8 @@ SCORE_SCHEMA = pa.schema(
         pa.field("alignment", pa.float32(), nullable=False),  # their cosine
         pa.field("stratum", pa.string(), nullable=False),  # the reference stratum: "text", "code/python", "all"
         pa.field("ref_loss", pa.float32()),  # loss under score.reference_model (RHO-LOSS); null when none
+        # (loss with each row's tokens shuffled - loss) / loss; null when score.order_rise is off
+        pa.field("order_rise", pa.float32()),
         pa.field("reference", pa.bool_(), nullable=False),  # in the clean reference set: never judged
         pa.field("rows", pa.int32(), nullable=False),  # rows scored (at most score.max_rows)
         pa.field("capped", pa.bool_(), nullable=False),  # True when the document has more rows than that

@@ -162,6 +162,12 @@ def signal_table(scores: pa.Table, telemetry: pa.Table, params) -> dict[str, np.
     has = judged & np.isfinite(out["reducible"])
     rgroups = strata(kind, lang, col(both, "tokens"), params.length_bands, params.min_stratum_docs, has)
     out["reducible_z"] = robust_z(out["reducible"], rgroups, has)
+    # Order sensitivity (score.order_rise): z within kind over the documents that have it, as the filter
+    # reads it beside the alignment (dynamic.alignment_z_strata).
+    out["order_rise"] = col(at_last, "order_rise")
+    has = judged & np.isfinite(out["order_rise"])
+    out["order_rise_zk"] = robust_z(out["order_rise"], strata(kind, lang, col(both, "tokens"), None,
+                                                               params.min_stratum_docs, has), has)
     return out
 
 
@@ -195,6 +201,11 @@ def aucs(sig: dict[str, np.ndarray]) -> dict[str, float]:
         "combined: alignment z (mean) + loss tails": -sig["align_mean_z"] + np.maximum(np.abs(sig["loss_z"]) - 3.5, 0),
         "combined: max(-alignment z, |loss z|)": np.fmax(-sig["align_mean_z"], np.abs(sig["loss_z"])),
     }
+    if np.isfinite(sig["order_rise"][j]).any():
+        candidates["order rise z in kind (low)"] = -sig["order_rise_zk"]
+        # The one-sided combination the filter's cascade approximates (either cut drops).
+        candidates["combined: max(-alignment z in kind (last), -order rise z in kind)"] = np.fmax(
+            -sig["align_last_zk"], -sig["order_rise_zk"])
     if np.isfinite(sig["reducible"][j]).any():
         # The filter reads the low end of reducible loss as bad (StratumOutlierFilter, low_z).
         candidates["RHO-LOSS: reducible loss (low)"] = -sig["reducible"]

@@ -56,6 +56,7 @@ SIGNAL_SCHEMA = pa.schema([
     pa.field("loss", pa.float64()),              # scoring-pass loss, last checkpoint
     pa.field("grad_norm", pa.float64()),         # scoring-pass gradient norm, last checkpoint
     pa.field("reducible_loss", pa.float64()),    # loss - ref_loss (RHO-LOSS); NaN without a reference model
+    pa.field("order_rise", pa.float64()),        # relative loss rise with each row's tokens shuffled, last checkpoint
     pa.field("non_finite", pa.bool_(), nullable=False),
     pa.field("draws", pa.int64()),               # training steps that drew the document
     pa.field("skipped_draws", pa.int64()),       # ... of which skipped (spike) steps
@@ -128,7 +129,7 @@ def strata(kind: np.ndarray, lang: np.ndarray, tokens: np.ndarray, edges: list[i
 SCORE_COLUMNS = {"step": pa.int64(), "sample_id": pa.string(), "kind": pa.string(), "lang": pa.string(),
                  "tokens": pa.int32(), "loss": pa.float32(), "grad_norm": pa.float32(), "alignment": pa.float32(),
                  "reference": pa.bool_()}
-OPTIONAL_SCORE_COLUMNS = {"ref_loss": pa.float32()}
+OPTIONAL_SCORE_COLUMNS = {"ref_loss": pa.float32(), "order_rise": pa.float32()}
 TELEMETRY_COLUMNS = {"step": pa.int64(), "sample_id": pa.string(), "loss": pa.float32(), "grad_norm": pa.float32(),
                      "tokens": pa.int32(), "flagged": pa.bool_(), "reason": pa.string()}
 
@@ -188,6 +189,7 @@ def _score_signals(scores: pa.Table, checkpoints: list[int] | None) -> dict[str,
     total = np.bincount(inverse[ok], weights=align[ok], minlength=n)
     last = _group_last(steps, inverse, n)
     ref_loss = _column(scores, "ref_loss") if "ref_loss" in scores.column_names else np.full(len(steps), np.nan)
+    rise = _column(scores, "order_rise") if "order_rise" in scores.column_names else np.full(len(steps), np.nan)
     kind = np.asarray(scores.column("kind").to_pylist(), dtype=object)
     lang = np.asarray(scores.column("lang").to_pylist(), dtype=object)
     reference = np.asarray(pc.fill_null(scores.column("reference"), False).to_numpy(zero_copy_only=False), dtype=bool)
@@ -197,7 +199,7 @@ def _score_signals(scores: pa.Table, checkpoints: list[int] | None) -> dict[str,
         "id": ids, "kind": kind[last], "lang": lang[last], "reference": reference[last],
         "tokens": _column(scores, "tokens")[last], "checkpoints": count.astype(np.int64),
         "alignment": mean_align, "alignment_last": align[last], "loss": loss[last], "grad_norm": norm[last],
-        "reducible_loss": loss[last] - ref_loss[last],
+        "reducible_loss": loss[last] - ref_loss[last], "order_rise": rise[last],
         "non_finite": np.bincount(inverse[bad], minlength=n) > 0,
     }
 
@@ -371,7 +373,8 @@ class StratumOutlierFilter:
     Both ends matter for loss: high is noise, encoding debris and shuffled
     text; very low is boilerplate, repeated licence headers and tables
     (perplexity pruning, Marion et al. 2023, finds the low end worth
-    pruning too). Either end is switched off with None.
+    pruning too). Either end is switched off with None. `z_strata` as
+    AlignmentFilter's: "kind_lang_band" (`strata`) or "kind".
     """
 
     signal: str
@@ -379,6 +382,7 @@ class StratumOutlierFilter:
     low_z: float | None = 3.5
     length_bands: tuple[int, ...] = (256, 2048)
     min_stratum_docs: int = 20
+    z_strata: str = "kind_lang_band"
     name: str = NAME
 
     def apply(self, batch: pa.RecordBatch | pa.Table) -> FilterResult:
@@ -387,8 +391,8 @@ class StratumOutlierFilter:
         has = judged & np.isfinite(value)
         if self.high_z is None and self.low_z is None:
             return FilterResult.keep_all(n)
-        groups = strata(_np(batch, "kind"), _np(batch, "lang"), _np(batch, "tokens"), list(self.length_bands),
-                        self.min_stratum_docs, has)
+        bands = list(self.length_bands) if self.z_strata == "kind_lang_band" else None
+        groups = strata(_np(batch, "kind"), _np(batch, "lang"), _np(batch, "tokens"), bands, self.min_stratum_docs, has)
         z = robust_z(value, groups, has)
         scores = {self.signal: np.where(np.isfinite(value), value, np.nan), f"{self.signal}_z": np.where(has, z, np.nan)}
         drops = []
@@ -492,6 +496,8 @@ def build_dynamic_filters(params) -> list:
         NonFiniteFilter(),
         AlignmentFilter(params.alignment_threshold, params.alignment_low_z, params.alignment_high_z, bands, min_docs,
                         params.alignment_z_strata),
+        # Measured and cut as the alignment's partner (one-sided, the same strata): BENCHMARKS.md tier 2.
+        StratumOutlierFilter("order_rise", None, params.order_rise_low_z, bands, min_docs, params.alignment_z_strata),
         SkippedStepFilter(params.skipped_step_z),
         StratumOutlierFilter("loss", params.loss_high_z, params.loss_low_z, bands, min_docs),
         StratumOutlierFilter("grad_norm", params.grad_norm_high_z, None, bands, min_docs),

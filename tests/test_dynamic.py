@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -214,6 +215,36 @@ def test_reducible_loss_low_end_when_a_reference_model_scored():
     assert dropped(signals, result) == {"t9": "dynamic:reducible_loss_low"}
     no_ref = document_signals(score_table(score_rows()), None)
     assert not dropped(no_ref, StratumOutlierFilter("reducible_loss", high_z=None, low_z=3.5).apply(no_ref))
+
+
+def test_order_rise_low_end_is_judged_within_kind_beside_the_alignment():
+    """Text whose loss barely rises when its tokens are shuffled is already a bag of words."""
+    rows = score_rows()
+    for r in rows:  # code rises more than prose (a kind's scale differs), each spread evenly (no tail past z 1.4)
+        r["order_rise"] = (0.30 if r["kind"] == "code" else 0.12) + (int(r["sample_id"][1:]) % 9 - 4) * 0.005
+        if r["sample_id"] == "t5":
+            r["order_rise"] = 0.0  # shuffled text: z about -6
+        if r["sample_id"] == "c8":
+            r["order_rise"] = 0.14  # ordinary for prose, far below code's 0.30: judged within its kind
+    signals = document_signals(score_table(rows), None)
+    assert params_from_dict({}).dynamic.order_rise_low_z == 2.0
+    params = params_from_dict({"dynamic": {"alignment_low_z": None, "alignment_high_z": None}}).dynamic
+    result = judge(signals, build_dynamic_filters(params))
+    assert dropped(signals, result) == {"t5": "dynamic:order_rise_low", "c8": "dynamic:order_rise_low"}
+    i = signals.column("id").to_pylist().index("t5")
+    assert result.scores["order_rise"][i] == pytest.approx(0.0) and result.scores["order_rise_z"][i] < -2.0
+    assert result.scores["order_rise_z_low_threshold"][i] == -2.0
+    # Pooled over kinds, code at 0.14 sits among the prose: the point of judging it within its kind.
+    pooled = StratumOutlierFilter("order_rise", None, 2.0, z_strata="kind").apply(
+        signals.set_column(signals.schema.get_field_index("kind"), "kind", pa.array(["x"] * signals.num_rows)))
+    assert "c8" not in dropped(signals, pooled)
+    # Switched off, and scores without the column (written before it, or score.order_rise off): no verdict.
+    off = dataclasses.replace(params, order_rise_low_z=None)
+    assert not dropped(signals, judge(signals, build_dynamic_filters(off)))
+    for old in (score_table(score_rows()).drop_columns(["order_rise"]), score_table(score_rows())):
+        plain = document_signals(old, None)
+        assert np.isnan(plain.column("order_rise").to_numpy(zero_copy_only=False)).all()
+        assert not dropped(plain, judge(plain, build_dynamic_filters(params)))
 
 
 def test_non_finite_values_in_scores_or_telemetry_are_dropped():

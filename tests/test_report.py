@@ -56,7 +56,7 @@ SCORE_COLUMNS = pa.schema([
     pa.field("kind", pa.string()), pa.field("lang", pa.string()), pa.field("tokens", pa.int32()),
     pa.field("loss", pa.float32()), pa.field("grad_norm", pa.float32()), pa.field("grad_dot", pa.float32()),
     pa.field("alignment", pa.float32()), pa.field("stratum", pa.string()), pa.field("ref_loss", pa.float32()),
-    pa.field("reference", pa.bool_()),
+    pa.field("order_rise", pa.float32()), pa.field("reference", pa.bool_()),
 ])
 ALIGNMENT_THRESHOLD = 0.0
 
@@ -78,7 +78,8 @@ def write_tier2(repo: Path, step: int) -> set[str]:
         "tokens": pa.array(rng.integers(10, 300, n), pa.int32()),
         "loss": pa.array(rng.normal(5.5, 0.6, n), pa.float32()), "grad_norm": pa.array(rng.lognormal(-1, 0.3, n), pa.float32()),
         "grad_dot": pa.array(alignment * 0.5, pa.float32()), "alignment": pa.array(alignment),
-        "stratum": docs.column("kind"), "ref_loss": pa.nulls(n, pa.float32()), "reference": pa.array(reference),
+        "stratum": docs.column("kind"), "ref_loss": pa.nulls(n, pa.float32()),
+        "order_rise": pa.array(rng.normal(0.12, 0.04, n), pa.float32()), "reference": pa.array(reference),
     }, schema=SCORE_COLUMNS)
     out = repo / "runs/round-0/scores"
     out.mkdir(parents=True)
@@ -223,7 +224,7 @@ def test_report_of_a_real_pipeline_draws_every_chart_offline(pipeline, tmp_path)
 
     # Every section that has its inputs drew its charts; the page lists them.
     expected = {"flow-sankey", "flow-bars", "score-quality", "score-loss", "score-grad_norm", "score-alignment",
-                "cluster-sizes", "loss-curves", "lineage-counts"}
+                "score-order_rise", "cluster-sizes", "loss-curves", "lineage-counts"}
     assert expected <= set(summary["charts"]), summary["charts"]
     drawn = drawn_charts(page, tmp_path)
     assert set(drawn) == set(summary["charts"])

@@ -437,6 +437,80 @@ def _score_once(tiny, tmp_path, reference) -> Path:
     return out
 
 
+def test_shuffled_rows_permute_each_rows_real_tokens_by_the_documents_id(tiny):
+    from training.score import shuffled_rows
+    from training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny["run"])
+    texts = [(document_id(s, loc), text) for s, loc, text, *_ in tiny["rows"] if text][:8]
+    rows = build_rows(texts, tok, 32)
+    mixed = shuffled_rows(rows)
+    assert mixed.tokens.shape == rows.tokens.shape and (mixed.lengths == rows.lengths).all()
+    moved = 0
+    for r, n in enumerate(rows.lengths):
+        assert sorted(mixed.tokens[r, :n]) == sorted(rows.tokens[r, :n])  # the same tokens ...
+        assert (mixed.tokens[r, n:] == rows.tokens[r, n:]).all()  # ... and the padding where it was
+        moved += not (mixed.tokens[r, :n] == rows.tokens[r, :n]).all()
+    assert moved >= len(rows) - 1  # a permutation of 32 tokens is the identity 1 time in 32!
+    # A document's shuffle is its own, whoever shares its batch: scored alone, the same rows.
+    alone = build_rows(texts[3:4], tok, 32)
+    assert (shuffled_rows(alone).tokens == mixed.tokens[rows.doc == 3]).all()
+
+
+def test_order_rise_is_the_loss_rise_with_each_rows_tokens_shuffled(tiny, scored, tmp_path):
+    """Recomputed with plain forwards from the checkpoint; the same values whatever the batching and
+    parts; and with score.order_rise off the column is null and the pass does no more."""
+    from training.score import _resolve_checkpoints, load_model, read_scores, score_dataset, shuffled_rows
+    from training.tokenizer import load_tokenizer
+
+    table = scored["table"].to_pylist()
+    tok = load_tokenizer(tiny["run"])
+    (ck,) = _resolve_checkpoints(tiny["run"], ["last"])
+    model = load_model(ck.path, ck.state, tok.get_vocab_size(), torch.device("cpu"))
+    texts = {document_id(s, loc): text for s, loc, text, *_ in tiny["rows"]}
+    rises = []
+    for row in [r for r in table if not r["reference"]][:6]:
+        rows = build_rows([(row["sample_id"], texts[row["sample_id"]])], tok, 32)
+        first = np.arange(min(3, len(rows)))  # score.max_rows of the test's params
+        with torch.no_grad():
+            losses = []
+            for r in (rows, shuffled_rows(rows)):
+                b = make_batch(r, first)
+                losses.append(float(token_losses(model(b.tokens), b.targets, b.loss_mask).sum() / b.loss_mask.sum()))
+        assert row["loss"] == pytest.approx(losses[0], rel=1e-5)
+        assert row["order_rise"] == pytest.approx((losses[1] - losses[0]) / losses[0], rel=1e-4, abs=1e-6)
+        rises.append(row["order_rise"])
+    assert len(set(rises)) == len(rises)  # a value per document, not a constant
+    rebatched = read_scores_of(score_dataset(tiny["run"], tiny["data"], tmp_path / "b",
+                                             score_params(batch_tokens=64, part_docs=5), progress=False),
+                               tmp_path / "b")
+    before = {r["sample_id"]: r["order_rise"] for r in table}
+    assert {i: pytest.approx(v, rel=1e-4, abs=1e-6) for i, v in before.items()} == rebatched
+    off = score_dataset(tiny["run"], tiny["data"], tmp_path / "off", score_params(order_rise=False), progress=False)
+    assert off["params"]["order_rise"] is False
+    assert read_scores(tmp_path / "off").column("order_rise").null_count == len(table)
+
+
+def read_scores_of(manifest: dict, out: Path) -> dict[str, float]:
+    from training.score import read_scores
+
+    assert manifest["counts"]["parts"] >= 2
+    t = read_scores(out)
+    return dict(zip(t.column("sample_id").to_pylist(), t.column("order_rise").to_pylist()))
+
+
+def test_scores_written_before_order_rise_read_as_null(scored, tmp_path):
+    """A scores directory from before the column (format unchanged) still reads: order_rise is null."""
+    from training.score import read_scores
+
+    out = tmp_path / "old"
+    shutil.copytree(scored["out"], out)
+    for part in out.glob("part-*.parquet"):
+        pq.write_table(pq.read_table(part).drop_columns(["order_rise"]), part)
+    table = read_scores(out)
+    assert table.schema.equals(SCORE_SCHEMA) and table.column("order_rise").null_count == table.num_rows
+
+
 def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):
     from training.score import read_scores, score_dataset
 

@@ -18,6 +18,12 @@ document's alignment is its best cosine with one of them (nearest component: pac
 documentation against package documentation, man pages against man pages), all in the
 same backward.
 
+With ``score.order_rise`` (the default) one more forward, without a backward, scores the
+same rows with each row's tokens shuffled; ``order_rise`` is the relative rise of the
+document's mean token loss. Real language needs its order and a bag of words does not, so
+text that is already shuffled barely rises: the planted kind a first-order signal like the
+alignment cannot see (its words, hence its gradient's direction, are real).
+
 Output, in ``OUT``::
 
     part-00000.parquet ...   SCORE_SCHEMA rows: part = (checkpoint, block of score.part_docs documents)
@@ -442,6 +448,27 @@ def _reference_row_weights(model: Transformer, batch, aggregate: str, precision:
     return weight[batch.doc_index].to(torch.float32)
 
 
+_SHUFFLE_SALT = "assay-score-order"
+
+
+def shuffled_rows(rows: TokenRows, keys: list[str] | None = None) -> TokenRows:
+    """The same rows with each row's real tokens in a random order (padding left in place).
+
+    The order of a document's rows comes from a hash of its key (``keys[d]`` for ``rows.doc_ids[d]``;
+    by default the doc id), so a document's shuffle, and its ``order_rise``, do not depend on which
+    batch, part or run it is scored in."""
+    out = rows.tokens.copy()
+    by_doc = np.argsort(rows.doc, kind="stable")  # each document's rows, in their order
+    bounds = np.searchsorted(rows.doc[by_doc], np.arange(len(rows.doc_ids) + 1))
+    for d, doc_id in enumerate(rows.doc_ids if keys is None else keys):
+        seed = hashlib.blake2b(f"{_SHUFFLE_SALT}\x1f{doc_id}".encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(seed, "big"))
+        for r in by_doc[bounds[d]:bounds[d + 1]]:
+            n = int(rows.lengths[r])
+            out[r, :n] = rows.tokens[r, :n][rng.permutation(n)]
+    return TokenRows(out, rows.lengths, rows.doc, rows.doc_ids, rows.pad_id)
+
+
 def _subset(rows: TokenRows, doc_mask: np.ndarray) -> TokenRows:
     keep = doc_mask[rows.doc]
     new_index = np.cumsum(doc_mask) - 1
@@ -454,8 +481,10 @@ def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: Re
                 stratum_index: dict[str, int | list[int]], ref_model: Transformer | None, step: int,
                 params: ScoringParams, precision: str, device: torch.device, advance: Callable[[int, int], None]) -> pa.Table:
     rows = scored.rows
+    # Keyed by the document's id: the rows' own doc ids are dataset positions, which move between versions.
+    shuffled = shuffled_rows(rows, [docs.ids[p] for p in scored.pos]) if params.order_rise else None
     n = len(rows.doc_ids)
-    cols = {k: np.full(n, np.nan) for k in ("loss", "grad_norm", "grad_dot", "alignment", "ref_loss")}
+    cols = {k: np.full(n, np.nan) for k in ("loss", "grad_norm", "grad_dot", "alignment", "ref_loss", "order_rise")}
     tokens = np.zeros(n, dtype=np.int64)
     for indices in _length_batches(rows, params.batch_tokens):
         batch = _batch(rows, indices, device)
@@ -478,6 +507,17 @@ def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: Re
             doc_sum = torch.zeros(len(local), dtype=torch.float64, device=device).index_add_(
                 0, batch.doc_index, token_loss.sum(1).double())
             cols["ref_loss"][j] = (doc_sum / stats.tokens.double()).cpu().numpy()
+        if shuffled is not None:
+            # The same rows and lengths, so the same loss mask: only the order of the tokens differs.
+            mixed = _batch(shuffled, indices, device)
+            with torch.no_grad(), precision_context(precision, device):
+                token_loss = token_losses(model(mixed.tokens), mixed.targets, mixed.loss_mask)
+            doc_sum = torch.zeros(len(local), dtype=torch.float64, device=device).index_add_(
+                0, mixed.doc_index, token_loss.sum(1).double())
+            mixed_loss = (doc_sum / stats.tokens.double()).cpu().numpy()
+            plain = stats.loss.double().cpu().numpy()
+            with np.errstate(divide="ignore", invalid="ignore"):
+                cols["order_rise"][j] = (mixed_loss - plain) / plain
         advance(len(local), batch.n_tokens)
     pos = scored.pos
     return pa.table({
@@ -493,6 +533,8 @@ def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: Re
         "stratum": pa.array(docs.stratum[pos].tolist(), pa.string()),
         "ref_loss": pa.array(cols["ref_loss"].astype(np.float32), mask=np.isnan(cols["ref_loss"]))
         if ref_model is not None else pa.nulls(n, pa.float32()),
+        "order_rise": pa.array(cols["order_rise"].astype(np.float32), mask=np.isnan(cols["order_rise"]))
+        if shuffled is not None else pa.nulls(n, pa.float32()),
         "reference": pa.array(docs.reference[pos]),
         "rows": pa.array(np.minimum(scored.n_rows, params.max_rows).astype(np.int32)),
         "capped": pa.array(scored.n_rows > params.max_rows),
