@@ -331,23 +331,23 @@ def train_command(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its latest checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start again in a non-empty --out; a killed run of the same data and params is continued instead."),
     allow_data_change: bool = typer.Option(False, "--allow-data-change", help="With --resume: continue although --data is not the version the checkpoint was trained on."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Override train.steps."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Override train.steps."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda, xpu, mps, cpu or cuda:N (default: train.device, auto = cuda > xpu > mps > cpu)."),
     profile: bool = typer.Option(False, "--profile", help="Write a torch.profiler trace of steps 3-5 to OUT/profile/trace.json."),
     json_output: bool = typer.Option(False, "--json", help="Print metrics.json's content."),
-    nproc: int = typer.Option(1, "--nproc", help="Ranks on this machine; above 1, they are launched as one group (every socket on 127.0.0.1; with --rdzv-endpoint, torchrun) and get one CPU thread each unless OMP_NUM_THREADS is set."),
-    dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="DDP ranks (overrides train.parallel.dp_replicate)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Ranks on this machine; above 1, they are launched as one group (every socket on 127.0.0.1; with --rdzv-endpoint, torchrun) and get one CPU thread each unless OMP_NUM_THREADS is set."),
+    dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", min=1, help="DDP ranks (overrides train.parallel.dp_replicate)."),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP2 (ZeRO-3) ranks; -1 = what the other dimensions leave."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor + sequence parallel ranks: heads and FFN units split over them (with --dp-shard: FSDP×TP)."),
-    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline-parallel ranks (torch.distributed.pipelining; with --dp-shard/--dp-replicate: each stage data-parallel; with --tp, --ep or --cp too)."),
+    tp: Optional[int] = typer.Option(None, "--tp", min=1, help="Tensor + sequence parallel ranks: heads and FFN units split over them (with --dp-shard: FSDP×TP)."),
+    pp: Optional[int] = typer.Option(None, "--pp", min=1, help="Pipeline-parallel ranks (torch.distributed.pipelining; with --dp-shard/--dp-replicate: each stage data-parallel; with --tp, --ep or --cp too)."),
     pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (overrides train.parallel.pp_schedule)."),
     pp_dynamic: Optional[bool] = typer.Option(None, "--pp-dynamic/--pp-static", help="Re-choose micro-batches each step from measured stage times and memory (train.parallel.pp_dynamic)."),
-    cp: Optional[int] = typer.Option(None, "--cp", help="Context-parallel ranks: each row's sequence sharded (ring attention; sharded sparse attention)."),
-    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel ranks: MoE experts sharded over the FSDP ranks (ep must divide --dp-shard; with --pp, over each stage's)."),
+    cp: Optional[int] = typer.Option(None, "--cp", min=1, help="Context-parallel ranks: each row's sequence sharded (ring attention; sharded sparse attention)."),
+    ep: Optional[int] = typer.Option(None, "--ep", min=1, help="Expert-parallel ranks: MoE experts sharded over the FSDP ranks (ep must divide --dp-shard; with --pp, over each stage's)."),
     zero1: Optional[bool] = typer.Option(None, "--zero1/--no-zero1", help="ZeRO-1: shard AdamW's state over the DDP ranks."),
     nnodes: str = typer.Option("1", "--nnodes", help="Machines (or MIN:MAX for elastic membership); needs --rdzv-endpoint."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="host:port of the rendezvous, the same on every node."),
-    max_restarts: int = typer.Option(0, "--max-restarts", help="Restarts of the whole group after a rank fails, each resuming from the last checkpoint."),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="Restarts of the whole group after a rank fails, each resuming from the last checkpoint."),
 ) -> None:
     """Train the decoder LM (params.yaml: train) on an exact dataset version.
 
@@ -365,6 +365,10 @@ def train_command(
                                 "pp_dynamic": pp_dynamic}.items() if v is not None}
     if nproc > 1 and profile:
         raise AssayError("--profile traces one process; run it without --nproc")
+    if layout and nproc == 1 and nnodes == "1":
+        # One process has no ranks to lay out: training it anyway would ignore what was asked.
+        raise AssayError(f"--{next(iter(layout)).replace('_', '-')} lays out ranks; it needs --nproc above 1 "
+                         "(or --nnodes)")
     metrics = train_flow(str(data), str(out), rev=rev, resume=resume, overwrite=overwrite,
                          allow_data_change=allow_data_change, steps=steps, device=device, profile=profile,
                          params_file=_params_file(), nproc=nproc, parallel=layout, nnodes=nnodes,

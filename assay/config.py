@@ -515,6 +515,10 @@ class MinHashParams:
     #: datasketch); "one_permutation": one pass, a bin per value, empty bins densified (filters.minhash).
     scheme: str = "permutations"
 
+    def __post_init__(self) -> None:
+        if self.scheme not in ("permutations", "one_permutation"):
+            raise AssayError(f"dedup.minhash.scheme must be permutations or one_permutation, not {self.scheme!r}")
+
 
 @dataclass
 class SemanticDedupParams:
@@ -909,9 +913,15 @@ def load_params(path: str | os.PathLike | None = None) -> Params:
             return Params()
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AssayError(f"{path}: params file not found") from None
+    except IsADirectoryError:
+        raise AssayError(f"{path}: is a directory, not a params file") from None
+    except UnicodeDecodeError as exc:
+        raise AssayError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); not a params file") from None
     except yaml.YAMLError as exc:
-        raise AssayError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise AssayError(f"{path}: not valid YAML{where} ({str(exc).splitlines()[0]})") from None
     return params_from_dict(data)

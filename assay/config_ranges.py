@@ -45,6 +45,13 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "domain.model.window": AT_LEAST_1,
     "domain.model.batch_size": AT_LEAST_1,
     "domain.train.steps": AT_LEAST_1,
+    "domain.train.vocab_size": (2, None),
+    "domain.train.n_layer": AT_LEAST_1,
+    "domain.train.n_head": AT_LEAST_1,
+    "domain.train.n_embd": AT_LEAST_1,
+    "domain.train.context": AT_LEAST_1,
+    "domain.train.batch_size": AT_LEAST_1,
+    "domain.train.lr": (0.0, None),
     "domain.train.holdout": SHARE,
     "dedup.minhash.ngram": AT_LEAST_1,
     "dedup.minhash.bands": AT_LEAST_1,
@@ -54,6 +61,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "dedup.semantic.docs_per_cluster": AT_LEAST_1,
     "dedup.semantic.max_flat_clusters": AT_LEAST_1,
     "dedup.semantic.partitions": AT_LEAST_1,
+    "dedup.semantic.kmeans_iterations": AT_LEAST_1,
+    "quality.negatives_per_positive": (0.0, None),
     "vectors.batch_size": AT_LEAST_1,
     "train.model.dim": AT_LEAST_1,
     "train.model.n_layers": AT_LEAST_1,
@@ -62,6 +71,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.model.sparse_*": AT_LEAST_1,
     "train.model.n_experts": AT_LEAST_1,
     "train.model.moe_topk": AT_LEAST_1,
+    "train.model.rope_theta": (1.0, None),
+    "train.tokenizer_chars": AT_LEAST_1,
+    "train.telemetry.spike_window": AT_LEAST_1,
+    "train.telemetry.spike_min_history": AT_LEAST_1,
     "train.vocab_size": (2, None),
     "train.seq_len": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
@@ -83,6 +96,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "flow.max_workers": AT_LEAST_1,
     "dynamic.*_z": (0.0, None),
     "dynamic.min_stratum_docs": AT_LEAST_1,
+    "dynamic.repeat_draws": AT_LEAST_1,
     "score.max_rows": AT_LEAST_1,
     "score.batch_tokens": AT_LEAST_1,
     "score.part_docs": AT_LEAST_1,
@@ -93,6 +107,8 @@ def check_range(key: str, value: Any) -> None:
     """Raise AssayError naming `key` when its number is outside the range its pattern allows."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if value != value:  # NaN: every comparison with it is false, so a threshold of NaN cuts nothing
+        raise AssayError(f"params: {key} = nan is not a number")
     for pattern, (low, high) in RANGES.items():
         if not fnmatchcase(key, pattern):
             continue

@@ -325,6 +325,13 @@ def require_dataset(directory: str | os.PathLike) -> Path:
         raise AssayError(f"{directory}: no such dataset directory")
     if not (directory / MANIFEST).is_file() and not list_shards(directory):
         raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
+    if (directory / MANIFEST).is_file():
+        listed = read_manifest(directory).get("shards")
+        missing = [name for name in listed or [] if not (directory / name).is_file()]
+        if missing:  # reading on would silently judge, count or train on part of the dataset
+            raise AssayError(f"{directory}: {len(missing)} of the {len(listed)} shards its {MANIFEST} lists are "
+                             f"missing ({missing[0]}{' ...' if len(missing) > 1 else ''}); restore them or "
+                             "rerun the stage that wrote it")
     return directory
 
 

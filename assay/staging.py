@@ -148,23 +148,39 @@ def building(out_dir: str | os.PathLike) -> Path:
     return staging_dir(out_dir) / BUILT
 
 
-def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = False) -> bool:
+DATASET_FORMAT = "assay-dataset/1"
+
+
+def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = False,
+            inputs: Sequence[str | os.PathLike] = ()) -> bool:
     """Get `out_dir`'s staging folder ready for a run; returns True when `out_dir` is already complete.
 
     - a finished dataset with the same fingerprint (inputs + params) is kept;
     - a finished dataset of other inputs is replaced only with `overwrite`, so that a typo in
       --out cannot wipe a dataset, and it stays readable until its successor is published;
-    - a folder that is not an Assay dataset is never replaced;
+    - a folder that is not an Assay dataset (no manifest of ours: another tool's manifest.json
+      is not one) is never replaced, nor is a file;
+    - an `out_dir` that is one of the run's `inputs`, holds one or lies inside one is refused:
+      publishing would replace the input, or a rerun would read its own output;
     - a staging folder left by a killed run of the same inputs is resumed.
     """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    for source in inputs:
+        overlap = _overlap(out, Path(source))
+        if overlap:
+            raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
     staging = staging_dir(out)
     manifest = out / MANIFEST
     if manifest.is_file():
         try:
-            previous = json.loads(manifest.read_text()).get("fingerprint")
-        except json.JSONDecodeError:
-            previous = None
+            found = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            found = None
+        if not isinstance(found, dict) or found.get("format") != DATASET_FORMAT:
+            raise AssayError(f"{out}: its {MANIFEST} is not an Assay dataset's; choose another --out")
+        previous = found.get("fingerprint")
         if previous == fingerprint:
             shutil.rmtree(staging, ignore_errors=True)  # a commit killed after publishing leaves it
             return True
@@ -182,6 +198,20 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
     marker.write_text(fingerprint)
     remove_temporaries(staging)
     return False
+
+
+def _overlap(out: Path, source: Path) -> str | None:
+    """How `out` overlaps the input `source` (compared resolved), or None."""
+    if not source.exists():
+        return None  # a keyword such as `demo`, or a URL: not a local path
+    out, source = out.resolve(), source.resolve()
+    if out == source:
+        return "is"
+    if source.is_relative_to(out):
+        return "holds"
+    if out.is_relative_to(source) and source.is_dir():
+        return "lies inside"
+    return None
 
 
 def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str, Any]) -> dict[str, Any]:
@@ -215,7 +245,7 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
                 if stream == DOCS:
                     shards.append(dest.name)
     built.mkdir(parents=True, exist_ok=True)  # a stage whose units all came out empty
-    manifest = dict(manifest, shards=shards)
+    manifest = {"format": DATASET_FORMAT, **manifest, "shards": shards}  # the format is what prepare trusts
     write_manifest(built, manifest)
     publish_directory(built, out, staging / SET_ASIDE)
     shutil.rmtree(staging, ignore_errors=True)

@@ -76,7 +76,7 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     section = {"dedup": dataclasses.asdict(params.dedup), "io": dataclasses.asdict(params.io),
                "vectors": dataclasses.asdict(params.vectors)}
     fingerprint = stage_fingerprint(units, section)
-    if prepare(out, fingerprint, overwrite=overwrite):
+    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
 

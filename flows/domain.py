@@ -29,7 +29,7 @@ def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     section = {"domain": dataclasses.asdict(params.domain), "io": dataclasses.asdict(params.io)}
     model = params.domain.model.model
     fingerprint = stage_fingerprint(units, section, [model] if Path(model).exists() else [])
-    if prepare(out, fingerprint, overwrite=overwrite):
+    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
     models = load_models(params.domain)  # fail fast on a missing model, before any task

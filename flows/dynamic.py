@@ -36,7 +36,7 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     section = {"dynamic": dataclasses.asdict(params.dynamic), "io": dataclasses.asdict(params.io)}
     section["signals"] = signals_fingerprint(scores_dir, run_dir)
     fingerprint = stage_fingerprint(units, section)
-    if prepare(out, fingerprint, overwrite=overwrite):
+    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir, scores_dir, run_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
     judged = verdicts_task(scores_dir, run_dir, params)

@@ -36,7 +36,7 @@ def ingest_flow(
     params = load_params(params_file)
     options = options_from_params(params, text_field=text_field, id_field=id_field, source_name=source_name)
     units = plan(sources, options, demo_params=params.demo)
-    if prepare(out, fingerprint(units, options, params), overwrite=overwrite):
+    if prepare(out, fingerprint(units, options, params), overwrite=overwrite, inputs=sources):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
     futures = ingest_unit_task.map(list(range(len(units))), units, unmapped(out), unmapped(options))

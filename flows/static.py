@@ -29,7 +29,7 @@ def static_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     section = {"static": dataclasses.asdict(params.static), "io": dataclasses.asdict(params.io)}
     model_files = [m for m in (params.static.model or params.static.head,) if is_local_model(m)]
     fingerprint = stage_fingerprint(units, section, model_files)
-    if prepare(out, fingerprint, overwrite=overwrite):
+    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
     models = load_models(params.static)  # fail fast (a missing head) before any task starts

@@ -13,6 +13,23 @@ def test_utf8_and_bom():
     assert decode(b"\xef\xbb\xbfhi there", **OPTS).text == "hi there"
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+def test_utf16_and_utf32_with_a_byte_order_mark_are_text_not_binary(encoding):
+    """Half their bytes are NUL, so the binary check refused them before the mark was read."""
+    text = "Notes saved by a Windows editor: héllo, wörld.\r\n"
+    data = text.encode(encoding)
+    if not encoding.endswith(("-le", "-be")):
+        assert data[:2] in (b"\xff\xfe", b"\xfe\xff")  # Python's codec writes the mark
+    else:
+        data = ("\ufeff" + text).encode(encoding)
+    result = decode(data, **OPTS)
+    assert result.text == text and result.encoding == encoding[:6]
+    # A mark before what is not that encoding, or before control bytes, is still refused.
+    assert decode(b"\xff\xfe\x00\xd8a\x00", **OPTS).reason == "invalid:encoding"
+    assert decode(b"\xff\xfe" + "\x01\x02\x03\x04".encode("utf-16-le") * 20, **OPTS).reason == "invalid:binary"
+    assert decode(b"\xff\xfe" + " \n".encode("utf-16-le"), **OPTS).reason == "invalid:empty"
+
+
 def test_latin1_is_decoded_when_the_detector_is_confident():
     result = decode(LATIN1_TEXT.encode("latin-1"), **OPTS)
     assert result.text == LATIN1_TEXT

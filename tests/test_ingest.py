@@ -1,7 +1,9 @@
 """Ingest, end to end through the real Prefect flow (under prefect_test_harness)."""
 
 import json
+import os
 import shutil
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -179,6 +181,99 @@ def test_directory_walk_skips_and_symlinks(tmp_path):
     assert {p: r["reason"] for p, r in quarantine(out).items()} == {"broken.txt": "invalid:io"}
     assert manifest["counts"]["skipped"]["symlink_outside_root"] == 1
     assert manifest["counts"]["skipped"]["skipped_dir"] == 4
+
+
+@needs_flow
+def test_a_fifo_is_quarantined_unread_and_a_name_that_is_not_utf8_is_kept(tmp_path):
+    """A FIFO would block its reader for ever (seen: ingest hung, deaf to SIGTERM); a file name with
+    bytes that are not UTF-8 stopped the whole run (its id could not be encoded). Neither may."""
+    import os
+
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "ok.txt").write_text("a plain text file\n")
+    os.mkfifo(root / "pipe")
+    odd = os.path.join(os.fsencode(root), b"caf\xe9.txt")  # Latin-1 bytes in a name: not UTF-8
+    with open(odd, "wb") as handle:
+        handle.write(b"text under an odd name\n")
+    out = tmp_path / "raw"
+    # Should a reader open the FIFO again (the regression), open its other end so that the reader
+    # sees an empty file and the test fails, rather than hangs: a non-blocking open for writing
+    # succeeds only while someone has it open for reading.
+    done = threading.Event()
+
+    def unblock() -> None:
+        while not done.wait(0.2):
+            try:
+                os.close(os.open(root / "pipe", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # ENXIO: no reader, as it should be
+
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        manifest = ingest([root], out)
+    finally:
+        done.set()
+    texts = {d["path"]: d["text"] for d in documents(out)}
+    assert texts == {"ok.txt": "a plain text file\n", "caf\\xe9.txt": "text under an odd name\n"}
+    assert quarantine(out)["pipe"]["reason"] == "invalid:io"
+    assert "not a regular file (FIFO)" in quarantine(out)["pipe"]["detail"]
+    assert manifest["counts"]["input_records"] == 3
+
+
+@needs_flow
+def test_an_out_that_overlaps_an_input_or_is_a_file_is_refused_before_any_work(bad_corpus, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(bad_corpus["tree"], tree)
+    before = sorted(p.relative_to(tree) for p in tree.rglob("*"))
+    for out, says in ((tree, "is the input"), (tree / "sub" / "raw", "lies inside the input"),
+                      (tmp_path, "holds the input")):
+        with pytest.raises(AssayError, match=says):
+            ingest([tree], out, overwrite=True)
+    assert sorted(p.relative_to(tree) for p in tree.rglob("*")) == before  # nothing written into it
+    a_file = tmp_path / "afile"
+    a_file.write_text("x\n")
+    with pytest.raises(AssayError, match="is a file, not a directory"):
+        ingest([tree], a_file)
+    assert a_file.read_text() == "x\n" and not (tmp_path / ".afile.staging").exists()
+
+
+@needs_flow
+def test_overwrite_never_replaces_a_folder_whose_manifest_is_not_ours(bad_corpus, tmp_path):
+    webapp = tmp_path / "webapp"
+    (webapp / "src").mkdir(parents=True)
+    (webapp / "manifest.json").write_text('{"name": "my-web-app"}')
+    (webapp / "src" / "index.js").write_text("x\n")
+    with pytest.raises(AssayError, match="not an Assay dataset"):
+        ingest([bad_corpus["tree"]], webapp, overwrite=True)
+    assert (webapp / "src" / "index.js").read_text() == "x\n"
+
+
+def test_sources_whose_records_would_share_ids_are_refused_up_front(tmp_path):
+    """Two directories of one name holding one file name, or one SOURCE twice, gave two documents one
+    id (dedup then failed: a document "cannot be a duplicate of itself")."""
+    from assay.config import Params
+    from assay.ingest import options_from_params
+    from assay.ingest.plan import plan
+
+    options = options_from_params(Params())
+    for parent in ("a", "b"):
+        (tmp_path / parent / "corpus").mkdir(parents=True)
+        (tmp_path / parent / "corpus" / f"only-{parent}.txt").write_text(f"{parent}\n")
+    a, b = str(tmp_path / "a" / "corpus"), str(tmp_path / "b" / "corpus")
+    assert len(plan([a, b], options)) >= 1  # one name, no shared file: the ids differ
+    (tmp_path / "a" / "corpus" / "readme.txt").write_text("one\n")
+    (tmp_path / "b" / "corpus" / "readme.txt").write_text("two\n")
+    with pytest.raises(AssayError, match="both source 'corpus' and both hold readme.txt"):
+        plan([a, b], options)
+    with pytest.raises(AssayError, match="given twice"):
+        plan([a, a + "/"], options)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for folder in ("x", "y"):
+        (tmp_path / folder / "data.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(AssayError, match="both source 'data.jsonl'"):
+        plan([str(tmp_path / "x" / "data.jsonl"), str(tmp_path / "y" / "data.jsonl")], options)
 
 
 @needs_flow

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,35 @@ def test_bad_yaml_is_a_one_line_error(tmp_path):
     path.write_text("ingest: [unclosed\n")
     with pytest.raises(AssayError, match="not valid YAML"):
         load_params(path)
+    path.write_text("train:\n  steps: 3\n  lr: a: b\n")
+    with pytest.raises(AssayError, match="not valid YAML at line 3, column 8"):
+        load_params(path)
+
+
+def test_a_params_path_that_is_not_a_text_file_says_so(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(AssayError, match="binary.yaml: not UTF-8 text"):
+        load_params(binary)
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(AssayError, match="dir.yaml: is a directory"):
+        load_params(tmp_path / "dir.yaml")
+
+
+@pytest.mark.parametrize("tree,key", [
+    ({"ingest": {"encoding_confidence": float("nan")}}, "ingest.encoding_confidence = nan"),
+    ({"dedup": {"minhash": {"scheme": "bogus"}}}, "dedup.minhash.scheme"),
+    ({"dedup": {"semantic": {"kmeans_iterations": -3}}}, "dedup.semantic.kmeans_iterations"),
+    ({"quality": {"negatives_per_positive": -1}}, "quality.negatives_per_positive"),
+    ({"domain": {"train": {"n_layer": -1}}}, "domain.train.n_layer"),
+    ({"train": {"model": {"rope_theta": -1}}}, "train.model.rope_theta"),
+    ({"train": {"tokenizer_chars": 0}}, "train.tokenizer_chars"),
+    ({"train": {"telemetry": {"spike_window": 0}}}, "train.telemetry.spike_window"),
+    ({"dynamic": {"repeat_draws": -1}}, "dynamic.repeat_draws"),
+])
+def test_values_that_load_but_cannot_work_are_refused_naming_the_key(tree, key):
+    with pytest.raises(AssayError, match=re.escape(key)):
+        params_from_dict(tree)
 
 
 def _keys(tree, prefix=""):

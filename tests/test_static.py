@@ -180,6 +180,25 @@ def test_rerun_is_a_no_op_and_a_killed_run_resumes(tier1):
     assert resumed["counts"]["kept"] == tier1["manifest"]["counts"]["kept"]
 
 
+def test_a_stage_never_writes_over_its_own_input_nor_reads_a_dataset_missing_a_shard(tier1, tmp_path):
+    """With --overwrite, --in == --out replaced the raw dataset by its static output (its decisions and
+    quarantine lost); and a dataset with a shard deleted was read as if whole (fewer documents, no word)."""
+    from flows.static import static_flow
+
+    raw = shutil.copytree(tier1["raw"], tmp_path / "raw")
+    before = sorted((p.name, p.stat().st_size) for p in raw.rglob("*"))
+    with pytest.raises(AssayError, match="is the input"):
+        static_flow(str(raw), str(raw), overwrite=True, params_file=str(tier1["params"]))
+    assert sorted((p.name, p.stat().st_size) for p in raw.rglob("*")) == before
+    shards = sorted(raw.glob("part-*.parquet"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    with pytest.raises(AssayError, match=rf"1 of the {len(shards)} shards its manifest.json lists are missing "
+                                         rf"\({shards[1].name}\)"):
+        static_flow(str(raw), str(tmp_path / "static"), params_file=str(tier1["params"]))
+    assert not (tmp_path / "static").exists()
+
+
 def test_missing_head_fails_fast_naming_the_command(tier1, tmp_path):
     from flows.static import static_flow
 

@@ -354,6 +354,21 @@ def _history(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("flags,says", [
+    (["--steps", "0"], "Invalid value for '--steps'"),
+    (["--steps", "-1"], "Invalid value for '--steps'"),
+    (["--nproc", "0"], "Invalid value for '--nproc'"),
+    (["--max-restarts", "-1"], "Invalid value for '--max-restarts'"),
+    (["--tp", "2"], "--tp lays out ranks; it needs --nproc above 1"),
+    (["--pp-schedule", "1F1B"], "--pp-schedule lays out ranks"),
+])
+def test_train_options_out_of_range_are_refused_before_anything_is_written(stdlib_data, tmp_path, flags, says):
+    """`--steps 0` crashed after leaving a half-made run; `--tp 2` on one process trained one plain process."""
+    bad = _cli(["train", "--data", stdlib_data, "--out", tmp_path / "run", *flags], cwd=tmp_path, check=False)
+    assert bad.returncode != 0 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_trains_20_steps_and_the_loss_falls(stdlib_data, tmp_path):
     params_file = _params_file(tmp_path, tiny_params(steps=20))
     proc = _cli(["--params", params_file, "train", "--data", stdlib_data, "--out", tmp_path / "run",

@@ -17,7 +17,7 @@ from typing import Any
 
 from assay.config import Params
 from assay.ingest.plan import IngestOptions, Unit
-from assay.staging import UnitResult
+from assay.staging import DATASET_FORMAT, UnitResult
 
 STAGE = "ingest"
 
@@ -86,7 +86,7 @@ def manifest_for(
 ) -> dict[str, Any]:
     summary = summarize(results)
     return {
-        "format": "assay-dataset/1",
+        "format": DATASET_FORMAT,
         "stage": STAGE,
         "created_at": datetime.now(timezone.utc).isoformat(),
         "fingerprint": fingerprint(units, options, params),

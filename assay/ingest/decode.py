@@ -3,10 +3,13 @@
 The order of checks matters: binary before encoding (a PNG is not "badly
 encoded text"), and a legacy encoding is accepted only when a detector is
 confident, because a wrong guess silently corrupts text for every later stage.
+A UTF-16 or UTF-32 byte order mark comes first of all: such text is half NUL
+bytes, so the binary check would refuse it, and the mark names its encoding.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 
 from assay.schema import INVALID_BINARY, INVALID_EMPTY, INVALID_ENCODING
@@ -40,7 +43,28 @@ def is_binary(data: bytes) -> bool:
     return controls / len(head) > 0.10
 
 
+#: Byte order marks that name a wide encoding (UTF-32 first: its LE mark begins with UTF-16 LE's).
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+              (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _decode_wide(data: bytes, encoding: str) -> Decoded:
+    try:
+        text = data.decode(encoding)  # the codec reads the mark's byte order and drops it
+    except UnicodeDecodeError as exc:
+        return Decoded(None, reason=INVALID_ENCODING,
+                       detail=f"{encoding} byte order mark, but not {encoding} ({exc.reason} at byte {exc.start})")
+    if is_binary(text[:SNIFF_BYTES].encode("utf-8", "surrogatepass")):
+        return Decoded(None, reason=INVALID_BINARY, detail=f"{encoding} byte order mark, then control or NUL characters")
+    if not text.strip():
+        return Decoded(None, reason=INVALID_EMPTY, detail="only whitespace")
+    return Decoded(text, encoding=encoding)
+
+
 def decode(data: bytes, *, fallback_encodings: list[str], min_confidence: float) -> Decoded:
+    for bom, encoding in _WIDE_BOMS:
+        if data.startswith(bom):
+            return _decode_wide(data, encoding)
     if not data.strip():
         return Decoded(None, reason=INVALID_EMPTY, detail=f"{len(data)} bytes, all whitespace" if data else "0 bytes")
     if is_binary(data):

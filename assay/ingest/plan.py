@@ -121,6 +121,12 @@ def group_files(entries: list[FileEntry], kind: str, source: str, unit_bytes: in
     return units
 
 
+def printable_name(name: str) -> str:
+    """A file name as text: bytes that are not UTF-8 (which Python keeps as lone surrogates) are
+    written as ``\\xNN``, so the name can be an id's locator and a Parquet string. Valid names are unchanged."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple[list[FileEntry], dict[str, int]]:
     """Every file under `root`, sorted, without skipped dirs or escaping symlinks."""
     real_root = root.resolve()
@@ -139,7 +145,7 @@ def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple
                     skipped["symlink_outside_root"] += 1
                     continue
             size, mtime = _stat(path)
-            locator = path.relative_to(root).as_posix()
+            locator = printable_name(path.relative_to(root).as_posix())
             entries.append(FileEntry(str(path), source, locator, size=size, mtime_ns=mtime))
     return entries, skipped
 
@@ -147,7 +153,7 @@ def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple
 def _source_name(spec: str, options: IngestOptions) -> str:
     if options.source_name:
         return options.source_name
-    return Path(spec.rstrip("/")).resolve().name or spec
+    return printable_name(Path(spec.rstrip("/")).resolve().name or spec)
 
 
 def _check_columns(names: list[str], where: str, options: IngestOptions) -> None:
@@ -200,6 +206,7 @@ def plan(sources: list[str], options: IngestOptions, *, demo_params=None) -> lis
     if not sources:
         raise AssayError("no SOURCE given")
     units: list[Unit] = []
+    named: list[tuple[str, list[Unit]]] = []  # each path SOURCE and its units, to check their ids apart
     for spec in sources:
         if spec == DEMO_SOURCE:
             from assay.ingest.demo import plan_demo
@@ -218,8 +225,37 @@ def plan(sources: list[str], options: IngestOptions, *, demo_params=None) -> lis
             if grouped:
                 grouped[0] = Unit(**{**grouped[0].__dict__, "skipped": skipped})
             units.extend(grouped)
+            named.append((spec, grouped))
             continue
         size, mtime = _stat(path)
         kind = "parquet" if path.name.lower().endswith(PARQUET_SUFFIXES) else "jsonl"
         units.append(Unit(kind=kind, source=source, path=str(path), size=size, mtime_ns=mtime))
+        named.append((spec, units[-1:]))
+    _check_ids_apart(named)
     return units
+
+
+def _check_ids_apart(named: list[tuple[str, list[Unit]]]) -> None:
+    """Refuse two SOURCEs whose records would get the same ids.
+
+    An id is (source name, locator): a directory's files are located relative to it and a
+    JSONL or Parquet file's records by its file name, and the source name is the last part of
+    the path (or --source-name). So `a/corpus` and `b/corpus` holding a `readme.txt` each, or
+    one SOURCE given twice, would give two documents one id, which every later stage keys on.
+    """
+    seen: dict[tuple[str, str], str] = {}
+    resolved: dict[Path, str] = {}
+    for spec, spec_units in named:
+        first = resolved.setdefault(Path(spec).resolve(), spec)
+        if first != spec:
+            raise AssayError(f"{spec}: given twice (also as {first}); its records would be ingested twice under one id")
+        for unit in spec_units:
+            pairs = ([(f.source, f.locator) for f in unit.files] if unit.kind == "files"
+                     else [(unit.source, Path(unit.path).name)])
+            for source, locator in pairs:
+                other = seen.setdefault((source, locator), spec)
+                if other != spec:
+                    raise AssayError(
+                        f"{other} and {spec} are both source '{source}' and both hold {locator}: their records' "
+                        "ids would collide; ingest them in separate runs with different --source-name, or "
+                        "rename one directory")

@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import stat
 import subprocess
 import time
 import zlib
@@ -192,6 +193,12 @@ def _split_message(data: bytes) -> tuple[bytes, bytes]:
 
 def read_entry(entry: FileEntry, max_bytes: int) -> bytes | int:
     """The entry's bytes, or its size when it is over `max_bytes` (not read)."""
+    mode = os.stat(entry.fs_path).st_mode
+    if not stat.S_ISREG(mode):
+        # A FIFO or a device would block the reader for ever (or stream without end): never opened.
+        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else \
+            "socket" if stat.S_ISSOCK(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special file"
+        raise OSError(f"not a regular file ({kind}); not read")
     if entry.render == "man":
         data = _render_man(entry.fs_path)
     elif entry.render == "pydoc":

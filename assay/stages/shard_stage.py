@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
 from assay.shards import list_shards, open_shard, read_manifest, require_dataset
-from assay.staging import UnitResult
+from assay.staging import DATASET_FORMAT, UnitResult
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def stage_manifest(stage: str, input_dir: str | Path, fingerprint: str, params: 
         upstream = None
     summary = summarize(results)
     return {
-        "format": "assay-dataset/1",
+        "format": DATASET_FORMAT,
         "stage": stage,
         "created_at": datetime.now(timezone.utc).isoformat(),
         "fingerprint": fingerprint,
