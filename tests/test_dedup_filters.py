@@ -19,6 +19,7 @@ import pyarrow as pa
 import pytest
 
 from assay.config import DedupParams, MinHashParams
+from assay.errors import AssayError
 from filters import minhash
 from filters.exact_dedup import choose_kept, exact_duplicates, normalize, normalized_hashes
 
@@ -612,8 +613,8 @@ def test_one_permutation_signatures_definition_and_densification():
     # Densification copies from the same bins in every document: identical sets stay identical.
     again = minhash.signatures(["a b c d e f", "one two three"], OPH)
     assert np.array_equal(again, whole[[42, 41]])
-    with pytest.raises(ValueError, match="scheme"):
-        minhash.signatures(["x"], MinHashParams(scheme="nope"))
+    with pytest.raises(AssayError, match="dedup.minhash.scheme"):  # refused where params are made
+        MinHashParams(scheme="nope")
 
 
 def test_one_permutation_recall_against_exact_jaccard(vendored):
