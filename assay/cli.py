@@ -172,7 +172,7 @@ def _store(data: Path):
     from assay.vectors import open_store
 
     require_dataset(data)
-    return open_store(load_params(_params_file()).vectors, data)
+    return open_store(load_params(_params_file()).vectors, data, read_only=True)
 
 
 DATA_OPTION = typer.Option(Path("data/dedup"), "--data", help="The dedup output that holds the graph.")
@@ -181,7 +181,7 @@ DATA_OPTION = typer.Option(Path("data/dedup"), "--data", help="The dedup output 
 @app.command()
 def query(
     text: str = typer.Argument(..., help="Text to search for."),
-    k: int = typer.Option(10, "-k", help="How many neighbours."),
+    k: int = typer.Option(10, "-k", min=1, help="How many neighbours."),
     data: Path = DATA_OPTION,
     status: Optional[str] = typer.Option(None, help="Only documents with this status (kept, near_dup, ...)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -191,8 +191,8 @@ def query(
     from assay.config import load_params
     from assay.encoder import shared_encoder
 
-    vector = shared_encoder(load_params(_params_file()).static.encoder).encode([text])[0]
-    with _store(data) as store:
+    with _store(data) as store:  # opened first: a wrong --data is told before the encoder loads
+        vector = shared_encoder(load_params(_params_file()).static.encoder).encode([text])[0]
         hits = store.near(vector, k, where={"status": status} if status else None)
     report.hits(hits, json_output, exact=store.exact)
 
@@ -200,7 +200,7 @@ def query(
 @app.command()
 def similar(
     doc_id: str = typer.Argument(..., metavar="ID"),
-    k: int = typer.Option(10, "-k", help="How many neighbours."),
+    k: int = typer.Option(10, "-k", min=1, help="How many neighbours."),
     data: Path = DATA_OPTION,
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -739,7 +739,9 @@ def main(argv: list[str] | None = None) -> None:
     # a busy 2-core machine; waiting longer beats failing the run.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     global _DEBUG
-    debug = _DEBUG = "--debug" in args or os.environ.get("ASSAY_DEBUG") == "1"
+    # Only an option: after "--" the word is an argument (a query text or an id), not --debug.
+    options = args[:args.index("--")] if "--" in args else args
+    debug = _DEBUG = "--debug" in options or os.environ.get("ASSAY_DEBUG") == "1"
     try:
         app(args=args, prog_name="assay")
     except AssayError as exc:

@@ -63,6 +63,8 @@ def repo_root(repo: str | Path) -> Path:
     path = Path(repo).resolve()
     if not path.exists():
         raise AssayError(f"{repo}: no such directory")
+    if not path.is_dir():
+        raise AssayError(f"{repo}: is a file; --repo names the repository's directory")
     proc = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path, capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssayError(f"{repo} is not inside a git repository (versions are git commits)")

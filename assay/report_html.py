@@ -16,9 +16,11 @@ the corpus.
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import math
+import re
 import subprocess
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -861,6 +863,19 @@ def why_stories(ids: list[str], datasets: list[Path]) -> dict[str, list[dict[str
     return stories
 
 
+#: An id that can name a file as it is: Assay's own ids (hex digests) and other plain names.
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
+
+def why_file_name(doc_id: str) -> str:
+    """The file under why/ for a document's story. Ids come from the input (``--id-field``), so one
+    such as ``../../x`` must not name a path outside the report: any id that is not a plain name is
+    written under a digest of it."""
+    if _PLAIN_ID.fullmatch(doc_id):
+        return f"{doc_id}.txt"
+    return f"id-{hashlib.blake2b(doc_id.encode('utf-8', 'surrogatepass'), digest_size=16).hexdigest()}.txt"
+
+
 def _story_text(doc_id: str, rows: list[dict[str, Any]]) -> str:
     """Exactly what `assay why` prints (the same renderer), without terminal colours."""
     from rich.text import Text
@@ -927,7 +942,8 @@ def _examples_section(inputs: ReportInputs, out: Path, per_reason: int) -> Secti
     table_rows = []
     for stage, reason, doc_id, scores, detail in chosen:
         text = _story_text(doc_id, stories[doc_id])
-        atomic_write_bytes(why_dir / f"{doc_id}.txt", (f"$ {command.format(id=doc_id)}\n{text}").encode())
+        story_file = why_file_name(doc_id)
+        atomic_write_bytes(why_dir / story_file, (f"$ {command.format(id=doc_id)}\n{text}").encode())
         document = rows_by_id.get(doc_id, {})
         raw = document.get("raw")  # quarantined input keeps its bytes, not a text
         preview = (document.get("text") or (raw[:160].decode("utf-8", errors="replace") if raw else ""))[:160]
@@ -940,7 +956,7 @@ def _examples_section(inputs: ReportInputs, out: Path, per_reason: int) -> Secti
         where = f"{document.get('source', '?')}:{document.get('path', '?')}" if document else "-"
         table_rows.append([
             html.escape(stage.label), f"<code>{html.escape(reason)}</code>",
-            f'<a href="{WHY_DIR}/{html.escape(doc_id)}.txt"><code>{html.escape(doc_id[:12])}</code></a>'
+            f'<a href="{WHY_DIR}/{html.escape(story_file)}"><code>{html.escape(doc_id[:12])}</code></a>'
             f"<details><summary>why</summary><pre>{html.escape(text)}</pre></details>",
             html.escape(where), html.escape(evidence),
             f'<span class="preview">{html.escape(preview)}</span>'])

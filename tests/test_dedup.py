@@ -180,6 +180,47 @@ def test_cli_queries_answer(deduped):
     assert any(h["path"] == "heapq.py" for h in found["hits"])
 
 
+def test_graph_queries_never_write_the_store_and_a_dataset_without_one_says_so(deduped, tmp_path):
+    """Queries opened the store writable: with other params (`vectors.exact_max`) `assay graph` rebuilt
+    and saved the DVC-tracked index (a new generation), and opening removed what looked like an
+    unfinished save (a running dedup's). And a dataset with no store answered "0 nearest", rc 0."""
+    import hashlib
+    import subprocess
+    import sys
+
+    import yaml
+
+    assay = str(Path(sys.executable).parent / "assay")
+    data = shutil.copytree(deduped["out"], tmp_path / "dedup")
+    unfinished = data / "vectors" / ".gen-000099.tmp-424242"
+    unfinished.mkdir()
+    params = yaml.safe_load(Path(deduped["params"]).read_text())
+    params.setdefault("vectors", {})["exact_max"] = 1  # another index kind than the stored one
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+
+    def snapshot() -> dict[str, str]:
+        return {str(p.relative_to(data)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+                for p in sorted((data / "vectors").rglob("*"))}
+
+    before = snapshot()
+    doc = _raw(deduped["raw"])[("repo-a", "heapq.py")]["id"]
+    for args in (["graph", doc], ["similar", doc, "-k", "2"], ["cluster", doc], ["sources", "--overlap"]):
+        done = subprocess.run([assay, "--params", str(params_file), *args, "--data", str(data)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert snapshot() == before and unfinished.is_dir()
+    bare = subprocess.run([assay, "sources", "--overlap", "--data", str(deduped["raw"])], capture_output=True,
+                          text=True)
+    assert bare.returncode == 1 and "holds no vector store" in bare.stderr
+    # "--debug" after "--" is the text searched for, not the option: still a one-line error.
+    words = subprocess.run([assay, "query", "-k", "1", "--data", str(tmp_path / "nosuch"), "--", "--debug"],
+                           capture_output=True, text=True)
+    assert words.returncode == 1 and "no such dataset" in words.stderr and "Traceback" not in words.stderr
+    zero = subprocess.run([assay, "similar", doc, "-k", "0", "--data", str(data)], capture_output=True, text=True)
+    assert zero.returncode == 2 and "'-k'" in zero.stderr
+
+
 def test_a_write_whose_verdicts_do_not_match_its_shard_says_so(tmp_path):
     """A write task is sent its shard's verdicts row by row (`ShardVerdicts`); if the shard no longer has
     that many rows (changed during the run), it stops naming the shard, rather than write misaligned

@@ -107,6 +107,28 @@ def test_export_cli_and_sparse_refusal(run_dir, tmp_path):
     assert json.loads(proc.stdout)["step"] == 8
     with pytest.raises(AssayError, match="not empty"):
         export_run(run_dir, out)
+    assert export_run(run_dir, out, overwrite=True)["step"] == 8  # an earlier export is replaced
+
+
+def test_export_never_deletes_the_run_or_a_folder_that_is_not_an_export(run_dir, tmp_path):
+    """--overwrite removed --out whole: with --out the run itself, or a folder holding it, the run was
+    deleted (checkpoints and telemetry); with any other folder (`--out .`), that folder."""
+    run = shutil.copytree(run_dir, tmp_path / "runs" / "round-0")
+    (tmp_path / "runs" / "notes.txt").write_text("precious\n")
+    for out, says in ((run, "is or holds the run"), (tmp_path / "runs", "is or holds the run"),
+                      (tmp_path, "is or holds the run")):
+        with pytest.raises(AssayError, match=says):
+            export_run(run, out, overwrite=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious\n")
+    with pytest.raises(AssayError, match="other than an Assay export"):
+        export_run(run, mine, overwrite=True)
+    (tmp_path / "afile").write_text("x\n")
+    with pytest.raises(AssayError, match="is a file"):
+        export_run(run, tmp_path / "afile", overwrite=True)
+    assert (run / "checkpoints").is_dir() and (mine / "thesis.tex").is_file()
+    assert (tmp_path / "runs" / "notes.txt").read_text() == "precious\n"
 
     sparse = tmp_path / "sparse"
     shutil.copytree(run_dir, sparse)

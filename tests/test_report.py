@@ -370,3 +370,18 @@ def test_tier2_thresholds_belong_to_the_value_they_cut(tmp_path):
     assert thresholds == {"alignment": {"threshold": [0.0]},
                           "loss_z": {"high threshold": [3.5], "low threshold": [-3.5]}}
     assert dropped == {"b"}
+
+
+def test_a_document_id_never_names_a_file_outside_the_report():
+    """Ids come from the input (--id-field): `../../../x` wrote the story outside --out."""
+    from assay.report_html import why_file_name
+
+    why = Path("/r/why")
+    hex_id = "0123456789abcdef0123456789abcdef"
+    assert why_file_name(hex_id) == f"{hex_id}.txt" and why_file_name("doc-7.v2") == "doc-7.v2.txt"
+    hostile = ["../../../ESCAPED", "sub/dir/x", "..", ".hidden", "a" * 300, "x\\y", "", "nul\x00id", "\udcff"]
+    names = [why_file_name(i) for i in hostile]
+    for name in names:
+        assert "/" not in name and "\\" not in name and not name.startswith(".") and len(name) < 255
+        assert (why / name).resolve().parent == why
+    assert len(set(names)) == len(names)  # distinct ids, distinct files

@@ -254,3 +254,12 @@ def test_versions_follow_dvc_add_files_too(tmp_path):
     result = diff_versions(repo, "HEAD~1", "HEAD")
     assert (result["removed"], result["added"]) == (1, 2)
     assert result["removed_by_reason"] == {NOT_IN_INPUT: 1} and result["added_by_reason"] == {NEW_INPUT: 2}
+
+
+def test_a_repo_that_is_a_file_or_missing_is_a_one_line_error(tmp_path):
+    """`--repo README.md` was an internal NotADirectoryError (and took the whole report down)."""
+    (tmp_path / "README.md").write_text("x\n")
+    with pytest.raises(AssayError, match="README.md: is a file"):
+        list_versions(repo=tmp_path / "README.md")
+    with pytest.raises(AssayError, match="no such directory"):
+        list_versions(repo=tmp_path / "nope")

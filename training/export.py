@@ -135,14 +135,37 @@ def _hf_tokenizer(tokenizer, seq_len: int):
                                    model_max_length=seq_len, clean_up_tokenization_spaces=False)
 
 
+def _is_export(folder: Path) -> bool:
+    try:
+        return "assay" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _check_out(run: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an --out whose replacement would delete what it must not: the run itself (or a folder
+    holding it), a file, or any folder that is not an earlier export (`--out . --overwrite` would
+    otherwise delete the repository)."""
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    if out.resolve() == run.resolve() or run.resolve().is_relative_to(out.resolve()):
+        raise AssayError(f"{out}: is or holds the run {run}, which writing the export there would delete; "
+                         "choose another --out")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+        if not _is_export(out):
+            raise AssayError(f"{out}: holds something other than an Assay export (no config.json of one); "
+                             "--overwrite replaces only an earlier export: choose another --out")
+
+
 def export_run(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
                checkpoint: str | Path | None = None) -> dict[str, Any]:
     """Write the run's latest checkpoint to ``out_dir`` as a Hugging Face model (see module docstring)."""
     from transformers import LlamaForCausalLM
 
     run, out = Path(run_dir), Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+    _check_out(run, out, overwrite)
     model, trainer = load_run_model(run, checkpoint)
     tokenizer = load_tokenizer(run)
     metrics = json.loads((run / METRICS_FILE).read_text()) if (run / METRICS_FILE).exists() else {}

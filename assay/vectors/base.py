@@ -255,11 +255,14 @@ class VectorStore(ABC):
         self.close()
 
 
-def open_store(params, dataset_dir: str | os.PathLike) -> VectorStore:
+def open_store(params, dataset_dir: str | os.PathLike, *, read_only: bool = False) -> VectorStore:
     """The configured store: Weaviate when WEAVIATE_URL is set, else `params.backend`.
 
     `params` is an `assay.config.VectorParams`. The local store lives at
-    `dataset_dir / params.local_path` (an absolute local_path is used as is).
+    `dataset_dir / params.local_path` (an absolute local_path is used as is). `read_only`: the
+    local store is read as it is and never written: a query must not rebuild, clean or save a
+    store that DVC tracks (nor remove a concurrent writer's unfinished generation), and a
+    local store that does not exist is an error rather than an empty store.
     """
     url = os.environ.get("WEAVIATE_URL") or None
     backend = "weaviate" if url else params.backend
@@ -269,7 +272,10 @@ def open_store(params, dataset_dir: str | os.PathLike) -> VectorStore:
         path = Path(params.local_path)
         if not path.is_absolute():
             path = Path(dataset_dir) / path
-        return LocalVectorStore(path, exact_max=params.exact_max)
+        if read_only and not (path / "CURRENT").is_file():
+            raise AssayError(f"{dataset_dir}: holds no vector store ({path} has no CURRENT); the graph is "
+                             "written by `assay run dedup`")
+        return LocalVectorStore(path, exact_max=params.exact_max, read_only=read_only)
     if backend == "weaviate":
         url = url or params.weaviate_url
         if not url:
