@@ -267,13 +267,13 @@ def open_store(params, dataset_dir: str | os.PathLike, *, read_only: bool = Fals
     url = os.environ.get("WEAVIATE_URL") or None
     backend = "weaviate" if url else params.backend
     if backend == "local":
-        from assay.vectors.local import LocalVectorStore
+        from assay.vectors.local import POINTER, LocalVectorStore
 
         path = Path(params.local_path)
         if not path.is_absolute():
             path = Path(dataset_dir) / path
-        if read_only and not (path / "CURRENT").is_file():
-            raise AssayError(f"{dataset_dir}: holds no vector store ({path} has no CURRENT); the graph is "
+        if read_only and not (path / POINTER).is_file():
+            raise AssayError(f"{dataset_dir}: holds no vector store ({path} has no {POINTER}); the graph is "
                              "written by `assay run dedup`")
         return LocalVectorStore(path, exact_max=params.exact_max, read_only=read_only)
     if backend == "weaviate":
