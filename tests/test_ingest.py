@@ -221,6 +221,24 @@ def test_a_fifo_is_quarantined_unread_and_a_name_that_is_not_utf8_is_kept(tmp_pa
     assert manifest["counts"]["input_records"] == 3
 
 
+def test_rendered_entries_that_are_not_files_are_read_and_files_are_checked(tmp_path):
+    """A pydoc topic is rendered by name, with no file behind it: the regular-file check must not
+    touch it (a first version stat()ed the name and quarantined all 79 of the demo's topics)."""
+    from pydoc_data.topics import topics
+
+    from assay.ingest.plan import FileEntry
+    from assay.ingest.readers import read_entry
+
+    topic = sorted(topics)[0]
+    assert read_entry(FileEntry(topic, "pydoc-topics", topic, render="pydoc"), 10**7) == topics[topic].encode()
+    assert read_entry(FileEntry(topic, "pydoc-topics", topic, render="pydoc"), 3) == len(topics[topic].encode())
+    plain = tmp_path / "plain.txt"
+    plain.write_text("hello\n")
+    assert read_entry(FileEntry(str(plain), "s", "plain.txt"), 100) == b"hello\n"
+    with pytest.raises(OSError, match="not a regular file \\(directory\\)"):
+        read_entry(FileEntry(str(tmp_path), "s", "dir"), 100)
+
+
 @needs_flow
 def test_an_out_that_overlaps_an_input_or_is_a_file_is_refused_before_any_work(bad_corpus, tmp_path):
     tree = tmp_path / "tree"

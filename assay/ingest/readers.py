@@ -193,7 +193,11 @@ def _split_message(data: bytes) -> tuple[bytes, bytes]:
 
 def read_entry(entry: FileEntry, max_bytes: int) -> bytes | int:
     """The entry's bytes, or its size when it is over `max_bytes` (not read)."""
-    mode = os.stat(entry.fs_path).st_mode
+    if entry.render == "pydoc":  # a topic of Python's own documentation, by name: no file
+        data = _render_pydoc(entry.fs_path)
+        return len(data) if len(data) > max_bytes else data
+    st = os.stat(entry.fs_path)
+    mode = st.st_mode
     if not stat.S_ISREG(mode):
         # A FIFO or a device would block the reader for ever (or stream without end): never opened.
         kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else \
@@ -201,17 +205,14 @@ def read_entry(entry: FileEntry, max_bytes: int) -> bytes | int:
         raise OSError(f"not a regular file ({kind}); not read")
     if entry.render == "man":
         data = _render_man(entry.fs_path)
-    elif entry.render == "pydoc":
-        data = _render_pydoc(entry.fs_path)
     elif entry.render == "decompress":  # .gz / .xz (plain files are read as they are)
         data = _decompress(entry.fs_path, max_bytes)
     elif entry.render in ("message-headers", "message-body"):
         head, body = _split_message(_decompress(entry.fs_path, max_bytes))
         data = head if entry.render == "message-headers" else body
     else:
-        size = os.stat(entry.fs_path).st_size
-        if size > max_bytes:
-            return size
+        if st.st_size > max_bytes:
+            return st.st_size
         with open(entry.fs_path, "rb") as handle:
             data = handle.read(max_bytes + 1)
     return len(data) if len(data) > max_bytes else data
