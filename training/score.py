@@ -477,6 +477,16 @@ def _subset(rows: TokenRows, doc_mask: np.ndarray) -> TokenRows:
 
 
 # ------------------------------------------------------------------ scoring one part
+def _mean_document_loss(model: Transformer, batch, tokens: torch.Tensor, precision: str,
+                        device: torch.device) -> np.ndarray:
+    """Each batch document's mean token loss under ``model``, forward only (``tokens``: its scored tokens)."""
+    with torch.no_grad(), precision_context(precision, device):
+        token_loss = token_losses(model(batch.tokens), batch.targets, batch.loss_mask)
+    doc_sum = torch.zeros(len(tokens), dtype=torch.float64, device=device).index_add_(
+        0, batch.doc_index, token_loss.sum(1).double())
+    return (doc_sum / tokens.double()).cpu().numpy()
+
+
 def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: References,
                 stratum_index: dict[str, int | list[int]], ref_model: Transformer | None, step: int,
                 params: ScoringParams, precision: str, device: torch.device, advance: Callable[[int, int], None]) -> pa.Table:
@@ -502,19 +512,10 @@ def _score_rows(model: Transformer, scored: _Scored, docs: _Docs, references: Re
             cols[key][j] = getattr(stats, key).double().cpu().numpy()
         tokens[j] = stats.tokens.cpu().numpy()
         if ref_model is not None:
-            with torch.no_grad(), precision_context(precision, device):
-                token_loss = token_losses(ref_model(batch.tokens), batch.targets, batch.loss_mask)
-            doc_sum = torch.zeros(len(local), dtype=torch.float64, device=device).index_add_(
-                0, batch.doc_index, token_loss.sum(1).double())
-            cols["ref_loss"][j] = (doc_sum / stats.tokens.double()).cpu().numpy()
+            cols["ref_loss"][j] = _mean_document_loss(ref_model, batch, stats.tokens, precision, device)
         if shuffled is not None:
             # The same rows and lengths, so the same loss mask: only the order of the tokens differs.
-            mixed = _batch(shuffled, indices, device)
-            with torch.no_grad(), precision_context(precision, device):
-                token_loss = token_losses(model(mixed.tokens), mixed.targets, mixed.loss_mask)
-            doc_sum = torch.zeros(len(local), dtype=torch.float64, device=device).index_add_(
-                0, mixed.doc_index, token_loss.sum(1).double())
-            mixed_loss = (doc_sum / stats.tokens.double()).cpu().numpy()
+            mixed_loss = _mean_document_loss(model, _batch(shuffled, indices, device), stats.tokens, precision, device)
             plain = stats.loss.double().cpu().numpy()
             with np.errstate(divide="ignore", invalid="ignore"):
                 cols["order_rise"][j] = (mixed_loss - plain) / plain
