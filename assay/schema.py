@@ -60,6 +60,7 @@ INVALID_TOO_LARGE = "invalid:too_large"
 INVALID_JSON = "invalid:json"
 INVALID_IO = "invalid:io"
 INVALID_RECORD = "invalid:record"  # well-formed JSON/row with a missing or non-text field
+INVALID_DUPLICATE_ID = "invalid:duplicate_id"  # a record's own id, already given to an earlier record
 INVALID_REASONS = (
     INVALID_ENCODING,
     INVALID_BINARY,
@@ -68,6 +69,7 @@ INVALID_REASONS = (
     INVALID_JSON,
     INVALID_IO,
     INVALID_RECORD,
+    INVALID_DUPLICATE_ID,
 )
 
 # --- quarantine --------------------------------------------------------------

@@ -54,6 +54,7 @@ from assay.config import load_params  # noqa: E402
 from assay.ingest import fingerprint, manifest_for, options_from_params  # noqa: E402
 from assay.ingest.plan import plan, unit_key  # noqa: E402
 from assay.ingest.readers import ingest_unit  # noqa: E402
+from assay.ingest.repeated_ids import quarantine_repeated_ids  # noqa: E402
 from assay.shards import iter_batches  # noqa: E402
 from assay.staging import commit, prepare  # noqa: E402
 
@@ -63,7 +64,7 @@ def run_plain(sources, out, params, **overrides):
     started = time.perf_counter()
     units = plan(sources, options, demo_params=params.demo)
     prepare(out, fingerprint(units, options, params), overwrite=True)
-    results = [ingest_unit(i, u, str(out), options) for i, u in enumerate(units)]
+    results = quarantine_repeated_ids(out, [ingest_unit(i, u, str(out), options) for i, u in enumerate(units)])
     manifest = manifest_for(sources, units, options, params, results, time.perf_counter() - started)
     commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest)
     return time.perf_counter() - started, manifest["counts"]

@@ -11,6 +11,7 @@ from assay.config import load_params
 from assay.ingest import fingerprint, manifest_for, options_from_params
 from assay.ingest.plan import check_source, plan, unit_key
 from assay.ingest.readers import ingest_unit
+from assay.ingest.repeated_ids import quarantine_repeated_ids
 from assay.shards import read_manifest
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
@@ -41,6 +42,7 @@ def ingest_flow(
         return read_manifest(out)
     futures = ingest_unit_task.map(list(range(len(units))), units, unmapped(out), unmapped(options))
     results = wait_with_progress(futures, f"ingest → {out}")
+    results = quarantine_repeated_ids(out, results)  # files ingested apart may give one id twice
     manifest = manifest_for(sources, units, options, params, results, time.perf_counter() - started)
     return commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest)
 

@@ -215,3 +215,12 @@ def test_text_without_the_characters_where_arrow_s_word_kernels_part_is_counted_
     words_utf8, stops_utf8 = _word_counts(heads, False)  # every row through the UTF-8 kernels
     english = (words_utf8 >= 5) & (stops_utf8 >= ENGLISH_STOPWORD_SHARE * np.maximum(words_utf8, 1))
     assert _sniff(heads)[1].tolist() == english.tolist()
+
+
+@pytest.mark.parametrize("spelling", ["cp1252", "windows-1252", "CP1252", "Windows_1252", "latin-1", "ISO-8859-1"])
+def test_a_fallback_encoding_is_matched_whatever_its_spelling(spelling):
+    """The detector's candidates were compared by their exact names: `windows-1252` or `latin-1` in
+    the params loaded, and legacy bytes were then quarantined as invalid:encoding."""
+    text = LATIN1_TEXT if "1252" not in spelling else "He said “quoted” words — and left… It was café time, naïve."
+    result = decode(text.encode(spelling), fallback_encodings=[spelling], min_confidence=0.5)
+    assert result.text == text and result.encoding == spelling

@@ -483,7 +483,9 @@ def read_dataset(out: Path) -> dict:
 
     return {
         "documents": [row for batch in iter_batches(out) for row in batch.to_pylist()],
-        "quarantine": rows(Path(out) / "quarantine"),
+        # In line order, but for repeated ids: the line reader quarantines one when its documents
+        # are flushed, the block reader when its block is; either way the same records.
+        "quarantine": sorted(rows(Path(out) / "quarantine"), key=lambda r: r["reason"] == "invalid:duplicate_id"),
         "decisions": sorted(rows(Path(out) / "decisions"), key=lambda r: (r["id"], r["kept"])),
     }
 
@@ -496,13 +498,14 @@ def run_reader(path: Path, out: Path, parser: str, **options) -> tuple[dict, dic
     from assay.ingest import fingerprint, manifest_for, options_from_params
     from assay.ingest.plan import plan, unit_key
     from assay.ingest.readers import ingest_unit
+    from assay.ingest.repeated_ids import quarantine_repeated_ids
     from assay.staging import commit, prepare
 
     params = params_from_dict({"ingest": {"max_bytes": MAX_BYTES}})
     opts = dataclasses.replace(options_from_params(params), jsonl_parser=parser, **options)
     units = plan([str(path)], opts)
     prepare(out, fingerprint(units, opts, params), overwrite=True)
-    results = [ingest_unit(i, u, str(out), opts) for i, u in enumerate(units)]
+    results = quarantine_repeated_ids(out, [ingest_unit(i, u, str(out), opts) for i, u in enumerate(units)])
     commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest_for([str(path)], units, opts, params, results, 1.0))
     counts: dict = {}
     for result in results:
@@ -909,3 +912,173 @@ def test_line_ends_are_numpy_s_newlines_whether_find_or_numpy_finds_them(lines):
             view = memoryview(buffer)[:len(data)]  # a block is a view of the start of a longer buffer
             assert _line_ends(view).tolist() == want
             assert _line_ends(view, Scratch()).tolist() == want
+
+
+@pytest.mark.parametrize("parser,block_bytes", [("lines", None), ("arrow", 64), ("arrow", 4 * 2**20)])
+def test_a_records_own_id_given_twice_in_a_file_is_quarantined_and_the_first_keeps_it(tmp_path, parser, block_bytes):
+    """Every later stage keys on the id; two documents under one id blurred both stories (`why`, decisions)."""
+    lines = [{"id": "x", "text": "The first record called x."}, {"id": "y", "text": "Another record."},
+             {"id": "x", "text": "A second record called x."}, {"id": 7, "text": "Seven as a number."},
+             {"id": "7", "text": "Seven as text is the same id."}, {"text": "No id of its own."},
+             {"text": "No id either: ids from line numbers never repeat."}]
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    options = {} if block_bytes is None else {"jsonl_block_bytes": block_bytes}
+    dataset, counts = run_reader(path, tmp_path / "out", parser, **options)
+    ids = [doc["id"] for doc in dataset["documents"]]
+    assert len(ids) == len(set(ids)) == 5
+    assert [d["text"] for d in dataset["documents"][:3]] == [
+        "The first record called x.", "Another record.", "Seven as a number."]
+    bad = dataset["quarantine"]
+    assert [(b["id"], b["reason"], b["path"]) for b in bad] == [
+        ("x", "invalid:duplicate_id", "ids.jsonl:3"), ("7", "invalid:duplicate_id", "ids.jsonl:5")]
+    assert bad[0]["detail"].startswith("line 3: id 'x' is an earlier record's")
+    assert json.loads(bad[0]["raw"])["text"] == "A second record called x."  # nothing is lost
+    assert counts["invalid:duplicate_id"] == 2 and counts["documents"] == 5
+    dropped = [d for d in dataset["decisions"] if not d["kept"]]
+    assert [(d["id"], d["reason"]) for d in dropped] == [("7", "invalid:duplicate_id"), ("x", "invalid:duplicate_id")]
+
+
+def test_parquet_fields_of_other_types_go_to_meta_and_odd_ids_are_text(tmp_path):
+    """A Parquet `id` of lists, structs or bytes, or a `path`/`source`/`kind` column that is not text,
+    lost the rest of the file as one invalid:io record (Arrow cannot cast them to text); a JSON line
+    with such values keeps them, in meta, and its id is Python's `str`."""
+    texts = ["First document text.", "Second document text.", "Third document text."]
+    for name, ids in {"list": pa.array([[1], [2], [1]]), "struct": pa.array([{"a": 1}, {"a": 2}, None]),
+                      "bytes": pa.array([b"a", b"\xff", b"c"]), "float": pa.array([1.5, 2.0, None])}.items():
+        table = pa.table({"text": texts, "id": ids, "path": [1, 2, 3], "source": [["s"], None, ["t"]],
+                          "kind": pa.array([{"k": 1}, {"k": 2}, {"k": 3}]), "lang": ["en", None, "fr"]})
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(table, path)
+        dataset, counts = run_reader(path, tmp_path / f"out-{name}", "arrow")
+        docs, bad = dataset["documents"], dataset["quarantine"]
+        assert "invalid:io" not in counts, (name, bad)
+        if name == "list":  # [1] twice: the third record's id repeats the first's
+            assert [d["id"] for d in docs] == ["[1]", "[2]"]
+            assert [(b["reason"], b["detail"]) for b in bad] == [
+                ("invalid:duplicate_id", "list.parquet:2: id '[1]' is an earlier record's in this file, which keeps it")]
+        else:
+            assert len(docs) == 3 and not bad
+        assert [d["path"] for d in docs] == [f"{name}.parquet:{i}" for i in range(len(docs))]
+        assert {d["source"] for d in docs} == {f"{name}.parquet"}
+        assert [d["lang"] for d in docs][:1] == ["en"]
+        meta = json.loads(docs[0]["meta"])
+        assert meta == {"path": 1, "source": ["s"], "kind": {"k": 1}}
+        assert json.loads(docs[1]["meta"]) == {"path": 2, "kind": {"k": 2}}  # a null is no value
+    by_name = {n: [d["id"] for d in read_dataset(tmp_path / f"out-{n}")["documents"]] for n in ("struct", "bytes", "float")}
+    assert by_name["struct"][:2] == ["{'a': 1}", "{'a': 2}"]
+    assert by_name["bytes"] == ["b'a'", "b'\\xff'", "b'c'"]
+    assert by_name["float"] == ["1.5", "2.0", document_id("float.parquet", "row:2")]  # a null id falls back
+
+
+def _ids_files(folder: Path) -> list[Path]:
+    """Three files whose own ids overlap: b repeats two of a's, c one of a's and one of b's new ones."""
+    folder.mkdir()
+    lines = {"a.jsonl": [("1", "One from a."), ("2", "Two from a."), ("3", "Three from a.")],
+             "b.jsonl": [("3", "Three again, from b."), ("4", "Four from b."), ("1", "One again, from b.")]}
+    for name, records in lines.items():
+        (folder / name).write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in records))
+    pq.write_table(pa.table({"id": [2, 4, 5], "text": ["Two again, in c.", "Four again, in c.", "Five from c."]}),
+                   folder / "c.parquet")
+    return [folder / "a.jsonl", folder / "b.jsonl", folder / "c.parquet"]
+
+
+def _ingest_plain(paths: list[Path], out: Path) -> dict:
+    """The flow's steps without Prefect: plan, every unit, the repeated ids, the commit."""
+    from assay.config import Params
+    from assay.ingest import fingerprint, manifest_for, options_from_params
+    from assay.ingest.plan import plan, unit_key
+    from assay.ingest.readers import ingest_unit
+    from assay.ingest.repeated_ids import quarantine_repeated_ids
+    from assay.staging import commit, prepare
+
+    params, sources = Params(), [str(p) for p in paths]
+    options = options_from_params(params)
+    units = plan(sources, options)
+    prepare(out, fingerprint(units, options, params), overwrite=True)
+    results = quarantine_repeated_ids(out, [ingest_unit(i, u, str(out), options) for i, u in enumerate(units)])
+    return commit(out, [unit_key(i, u) for i, u in enumerate(units)],
+                  manifest_for(sources, units, options, params, results, 1.0))
+
+
+@needs_flow
+def test_an_id_two_files_give_stays_with_the_first_file_and_the_later_record_is_quarantined(tmp_path):
+    """Files are ingested in parallel, and each checked its own ids only: a.jsonl and b.jsonl
+    holding id "3" each made two documents "3", which every later stage keys on."""
+    manifest = ingest(_ids_files(tmp_path / "in"), tmp_path / "raw")
+    docs = {d["id"]: d["text"] for d in documents(tmp_path / "raw")}
+    assert docs == {"1": "One from a.", "2": "Two from a.", "3": "Three from a.", "4": "Four from b.", "5": "Five from c."}
+    bad = quarantine(tmp_path / "raw")
+    assert {path: (row["id"], row["reason"]) for path, row in bad.items()} == {
+        "b.jsonl:1": ("3", "invalid:duplicate_id"), "b.jsonl:3": ("1", "invalid:duplicate_id"),
+        "c.parquet:0": ("2", "invalid:duplicate_id"), "c.parquet:1": ("4", "invalid:duplicate_id")}
+    assert bad["c.parquet:1"]["detail"] == ("c.parquet:1: id '4' is also the id of b.jsonl:2, ingested from an "
+                                            "earlier SOURCE, which keeps it")
+    assert json.loads(bad["b.jsonl:1"]["raw"])["text"] == "Three again, from b."  # nothing is lost
+    kept = [d["id"] for d in decisions(tmp_path / "raw") if d["kept"]]
+    assert sorted(kept) == ["1", "2", "3", "4", "5"]  # one story per id
+    counts = manifest["counts"]
+    assert (counts["documents"], counts["quarantined"], counts["by_reason"]) == (5, 4, {"invalid:duplicate_id": 4})
+    assert sum(counts["by_kind"].values()) == 5
+    assert read_manifest(tmp_path / "raw")["counts"] == counts
+
+
+def test_a_kill_while_repeated_ids_are_moved_loses_nothing_on_the_rerun(tmp_path, monkeypatch):
+    import assay.ingest.repeated_ids as repeated_ids
+
+    paths = _ids_files(tmp_path / "in")
+    reference = _ingest_plain(paths, tmp_path / "whole")
+    expected = read_dataset(tmp_path / "whole")
+    writers = {name: getattr(repeated_ids, name) for name in ("_replace", "atomic_write_json")}
+    kill_at = 0
+    while True:
+        kill_at += 1
+        calls = []
+
+        def dying(write):
+            def write_or_die(path, data):
+                calls.append(path)
+                if len(calls) == kill_at:
+                    raise KeyboardInterrupt  # as a kill would, between two whole files
+                write(path, data)
+            return write_or_die
+
+        out = tmp_path / f"killed-{kill_at}"
+        for name, write in writers.items():
+            monkeypatch.setattr(repeated_ids, name, dying(write))
+        try:
+            _ingest_plain(paths, out)
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        for name, write in writers.items():
+            monkeypatch.setattr(repeated_ids, name, write)
+        if finished:
+            break
+        manifest = _ingest_plain(paths, out)  # the rerun
+        assert read_dataset(out) == expected, f"killed at write {kill_at}"
+        assert manifest["counts"] == {**reference["counts"], "units_resumed": 3}
+    assert kill_at == 11  # killed at each of the 10 writes that settle two units (4 files and a done.json each)
+
+
+def test_ids_that_only_share_a_hash_are_not_repeats(tmp_path, monkeypatch):
+    import numpy as np
+
+    import assay.ingest.repeated_ids as repeated_ids
+
+    paths = _ids_files(tmp_path / "in")
+    _ingest_plain(paths, tmp_path / "hashed")
+    monkeypatch.setattr(repeated_ids, "_hashes", lambda ids: np.zeros(len(ids), np.uint64))  # every id collides
+    _ingest_plain(paths, tmp_path / "colliding")
+    assert read_dataset(tmp_path / "colliding") == read_dataset(tmp_path / "hashed")
+    assert len(read_dataset(tmp_path / "hashed")["quarantine"]) == 4
+
+
+def test_the_id_hash_reads_arrows_buffers_as_python_reads_the_strings():
+    from assay.ingest.repeated_ids import _hashes
+
+    ids = ["abc", "x", "abc", "é" * 50, "ab", "c", "abc" * 40, "b", "a"]
+    chunks = pa.chunked_array([pa.array(ids[:4]), pa.array(["skipped"] + ids[4:]).slice(1), pa.array(ids[:0], pa.string())])
+    hashes = _hashes(chunks).tolist()
+    assert len(hashes) == len(ids)
+    assert [hashes.index(h) for h in hashes] == [ids.index(i) for i in ids]  # equal exactly where the ids are

@@ -80,6 +80,13 @@ def decode(data: bytes, *, fallback_encodings: list[str], min_confidence: float)
     return Decoded(text)
 
 
+def _codec_name(name: str) -> str:
+    try:
+        return codecs.lookup(name).name
+    except LookupError:
+        return name
+
+
 def _decode_legacy(data: bytes, error: UnicodeDecodeError, allowed: list[str], min_confidence: float) -> Decoded:
     from charset_normalizer import from_bytes
 
@@ -97,7 +104,10 @@ def _decode_legacy(data: bytes, error: UnicodeDecodeError, allowed: list[str], m
         if match.chaos <= best.chaos:
             candidates.add(match.encoding)
             candidates.update(match.could_be_from_charset)
-    encoding = next((enc for enc in allowed if enc in candidates), None)
+    # Compared by Python's own name for each codec: the detector says "latin_1" and a user may
+    # write "latin-1" or "ISO-8859-1" (the names are checked when the params load).
+    candidates = {_codec_name(name) for name in candidates}
+    encoding = next((enc for enc in allowed if _codec_name(enc) in candidates), None)
     if encoding is None or confidence < min_confidence:
         return Decoded(
             None,

@@ -471,7 +471,7 @@ def ingest_jsonl_lines(unit: Unit, sink: "Sink", options: IngestOptions) -> int:
                 _quarantine(sink, unit, result)
             else:
                 sink.document(result.id, result.text, result.kind, result.lang, result.source, result.path,
-                              result.meta, name_hint=result.hint)
+                              result.meta, name_hint=result.hint, where=f"line {number}")
     return bytes_in
 
 
@@ -590,6 +590,7 @@ class _Block:
         self.suspects = np.zeros(0, np.int64)  # lines that may nest deeper than MAX_JSON_DEPTH (see `prepare`)
         self.blank = 0
         self.batch: pa.RecordBatch | None = None
+        self.numbers = np.zeros(0, np.int64)  # the line number of each row of `batch`
 
     def line(self, i: int) -> bytes:
         return bytes(self.data[self.starts[i]:self.ends[i]])
@@ -901,6 +902,7 @@ class _Block:
         if not parts:
             return
         columns = parts[0]  # one part (a clean block): no copy
+        self.numbers = self.first + np.sort(np.concatenate(order))
         if len(parts) > 1:
             take = pa.array(np.argsort(np.concatenate(order), kind="stable"))
             columns = {name: pa.concat_arrays([p[name] for p in parts]).take(take) for name in parts[0]}
@@ -917,7 +919,7 @@ class _Block:
         for bad in self.bad:
             _quarantine(sink, self.unit, bad)
         if self.batch is not None:
-            sink.documents_batch(self.batch)
+            sink.documents_batch(self.batch, where=lambda i: f"line {self.numbers[i]}")
 
 
 def detect_kind_and_lang(texts: pa.Array, hints: pa.Array, kinds: pa.Array, langs: pa.Array) -> tuple[pa.Array, pa.Array]:

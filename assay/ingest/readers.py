@@ -15,7 +15,7 @@ import stat
 import subprocess
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from assay.schema import (
     DOCUMENT_COLUMNS,
     DOCUMENT_SCHEMA,
     INVALID_BINARY,
+    INVALID_DUPLICATE_ID,
     INVALID_EMPTY,
     INVALID_IO,
     INVALID_RECORD,
@@ -52,15 +53,18 @@ class Sink:
         self.batch_rows = batch_rows
         self._docs: dict[str, list] = {name: [] for name in DOCUMENT_COLUMNS}
         self._name_hints: list[str] = []  # file names for kind/lang detection
+        self._where: list[str | None] = []  # what names each buffered record in a message ("line 7")
         self._bad: dict[str, list] = {name: [] for name in QUARANTINE_SCHEMA.names}
+        self._ids: set[str] = set()  # every id this unit has kept, to refuse a record's own id given twice
 
     # -- single records (files, JSON lines) --
 
     def document(self, id: str, text: str, kind: str | None, lang: str | None, source: str, path: str,
-                 meta: dict | str, name_hint: str = "") -> None:
+                 meta: dict | str, name_hint: str = "", where: str | None = None) -> None:
         """Buffer one document; a None kind or lang is detected, batch-wise, at flush.
 
-        `meta` is a dict, or the JSON object it serialises to.
+        `meta` is a dict, or the JSON object it serialises to; `where` names the
+        record in a message when its path does not (a JSON line's number).
         """
         if not isinstance(meta, str):
             meta = json.dumps(meta, ensure_ascii=False, sort_keys=True)
@@ -68,27 +72,66 @@ class Sink:
         for name, value in zip(DOCUMENT_COLUMNS, row):
             self._docs[name].append(value)
         self._name_hints.append(name_hint)
+        self._where.append(where)
         if len(self._docs["id"]) >= self.batch_rows:
             self.flush()
 
     def invalid(self, id: str, source: str, path: str, reason: str, detail: str | None, raw: bytes | None) -> None:
         for name, value in zip(QUARANTINE_SCHEMA.names, (id, source, path, reason, detail, raw)):
             self._bad[name].append(value)
-        self.writer.counts["quarantined"] += 1
-        self.writer.counts[reason] += 1
+        self._count_bad(reason)
         if len(self._bad["id"]) >= self.batch_rows:
             self.flush()
 
+    def _count_bad(self, reason: str) -> None:
+        self.writer.counts["quarantined"] += 1
+        self.writer.counts[reason] += 1
+
     # -- whole batches (Parquet, HF) --
 
-    def documents_batch(self, batch: pa.RecordBatch, flush: bool = True) -> None:
+    def documents_batch(self, batch: pa.RecordBatch, flush: bool = True,
+                        where: Callable[[int], str | None] | None = None) -> None:
+        """Write a batch of documents; `where(i)` names row i in a message when its path does not."""
         if flush:
             self.flush()
+        batch = self._first_of_each_id(batch, where)
+        if not batch.num_rows:
+            return
         self.writer.docs.write(batch)
         self.writer.decisions.write(_kept_decisions(batch.column("id")))
         self.writer.counts["documents"] += batch.num_rows
         for kind, n in zip(*_value_counts(batch.column("kind"))):
             self.writer.counts[f"kind:{kind}"] += n
+
+    def _first_of_each_id(self, batch: pa.RecordBatch, where: Callable[[int], str | None] | None) -> pa.RecordBatch:
+        """The rows whose id no earlier row of this unit holds; the others are quarantined.
+
+        Every later stage keys on the id (decisions, `why`, the vector store),
+        so two documents under one id would blur both stories. Ids made from a
+        locator never repeat; a record's own id (`--id-field`) can. The later
+        record is buffered for the quarantine here, not flushed: this runs
+        inside `flush`, which must not start again halfway.
+        """
+        ids = batch.column("id").to_pylist()
+        fresh = set(ids)
+        if len(fresh) == len(ids) and self._ids.isdisjoint(fresh):
+            self._ids |= fresh  # the usual case, in C
+            return batch
+        keep = []
+        for i, doc_id in enumerate(ids):
+            keep.append(doc_id not in self._ids)
+            if not keep[-1]:
+                row = batch.slice(i, 1).to_pylist()[0]
+                row["meta"] = json.loads(row["meta"])
+                name = (where(i) if where else None) or row["path"]
+                values = (doc_id, row["source"], row["path"], INVALID_DUPLICATE_ID,
+                          f"{name}: id {doc_id!r} is an earlier record's in this file, which keeps it",
+                          json.dumps(row, ensure_ascii=False).encode("utf-8"))
+                for name, value in zip(QUARANTINE_SCHEMA.names, values):
+                    self._bad[name].append(value)
+                self._count_bad(INVALID_DUPLICATE_ID)
+            self._ids.add(doc_id)
+        return batch.filter(pa.array(keep))
 
     def flush(self) -> None:
         if self._docs["id"]:
@@ -96,10 +139,13 @@ class Sink:
             kinds, langs = fill_kind_and_lang(texts, pa.array(self._name_hints, pa.string()),
                                               self._docs["kind"], self._docs["lang"])
             columns = {**self._docs, "text": texts, "kind": kinds, "lang": langs}
-            self.documents_batch(pa.RecordBatch.from_pydict(columns, schema=DOCUMENT_SCHEMA), flush=False)
+            where = self._where
+            self.documents_batch(pa.RecordBatch.from_pydict(columns, schema=DOCUMENT_SCHEMA), flush=False,
+                                 where=where.__getitem__)
             for values in self._docs.values():
                 values.clear()
             self._name_hints.clear()
+            self._where = []
         if self._bad["id"]:
             bad = pa.RecordBatch.from_pydict(self._bad, schema=QUARANTINE_SCHEMA)
             self.writer.quarantine.write(bad)
@@ -298,13 +344,13 @@ def ingest_record_batch(batch: pa.RecordBatch, sink: Sink, unit: Unit, options: 
 
     default_locators = pa.array(locators, pa.string())
     paths = default_locators
-    if "path" in names:
-        given_path = batch.column("path").cast(pa.string())
+    given_path = _given_text(batch, "path")
+    if given_path is not None:
         paths = pc.if_else(pc.fill_null(pc.not_equal(given_path, ""), False), given_path, default_locators)
     fallback = pa.array(fallback_ids, pa.string())
     ids = fallback
     if options.id_field in names:
-        given = batch.column(options.id_field).cast(pa.string())
+        given = _id_text(batch.column(options.id_field))
         ids = pc.if_else(pc.fill_null(pc.not_equal(given, ""), False), given, fallback)
 
     # One reason per row; the first failing check wins.
@@ -334,7 +380,9 @@ def ingest_record_batch(batch: pa.RecordBatch, sink: Sink, unit: Unit, options: 
     good = pc.invert(bad)
     kept = batch.filter(good)
     if kept.num_rows:
-        sink.documents_batch(_to_documents(kept, text.filter(good), ids.filter(good), paths.filter(good), unit, options))
+        rows = pc.indices_nonzero(good).to_numpy()
+        sink.documents_batch(_to_documents(kept, text.filter(good), ids.filter(good), paths.filter(good), unit, options),
+                             where=lambda i: locators[rows[i]])
     return pc.sum(nbytes).as_py() or 0
 
 
@@ -357,23 +405,52 @@ def _decode_binary_column(column: pa.Array, options: IngestOptions) -> pa.Array:
     return pa.array(values, pa.large_string())
 
 
+def _given_text(batch: pa.RecordBatch, name: str) -> pa.Array | None:
+    """A `kind`, `lang`, `source` or `path` column where it holds text, else None.
+
+    A column of another type (numbers, lists, structs) says nothing we can
+    use as that field; it goes to meta, as a JSON line's non-string value does.
+    """
+    if name not in batch.schema.names:
+        return None
+    column = batch.column(name)
+    value_type = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if pa.types.is_string(value_type) or pa.types.is_large_string(value_type):
+        return column.cast(pa.string())
+    return None
+
+
+def _id_text(column: pa.Array) -> pa.Array:
+    """A record's own ids as text: Arrow's cast for text and integers, Python's `str` for the rest,
+    as a JSON line's id is read (Arrow cannot cast lists or structs, nor bytes that are not UTF-8)."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_integer(column.type):
+        return column.cast(pa.string())
+    return pa.array([None if value is None else str(value) for value in column.to_pylist()], pa.string())
+
+
 def _to_documents(batch: pa.RecordBatch, text: pa.Array, ids: pa.Array, paths: pa.Array,
                   unit: Unit, options: IngestOptions) -> pa.RecordBatch:
     names = batch.schema.names
     n = batch.num_rows
-    given = {c: batch.column(c).cast(pa.string()).to_pylist() if c in names else [None] * n for c in ("kind", "lang")}
+    fields = {name: _given_text(batch, name) for name in ("kind", "lang", "source", "path")}
+    given = {c: fields[c].to_pylist() if fields[c] is not None else [None] * n for c in ("kind", "lang")}
     # Only a record's own path says anything about its language, not our locator.
-    hints = pc.fill_null(batch.column("path").cast(pa.string()), "") if "path" in names else pa.array([""] * n, pa.string())
+    hints = pc.fill_null(fields["path"], "") if fields["path"] is not None else pa.array([""] * n, pa.string())
     kinds, langs = fill_kind_and_lang(text, hints, given["kind"], given["lang"])
     source = (
-        pc.fill_null(batch.column("source").cast(pa.string()), unit.source)
-        if "source" in names
+        pc.fill_null(fields["source"], unit.source)
+        if fields["source"] is not None
         else pa.array([unit.source] * n, pa.string())
     )
-    contract = {options.text_field, options.id_field, "kind", "lang", "source", "path"}
+    contract = {options.text_field, options.id_field} | {name for name, values in fields.items() if values is not None}
     extra = [name for name in names if name not in contract]
     if extra:
         rows = batch.select(extra).to_pylist()
+        untyped = set(fields) & set(extra)  # present, but not text: a null there is no value
+        for row in rows:
+            for name in untyped:
+                if row.get(name) is None:
+                    row.pop(name, None)
         meta = [json.dumps(_merge_meta(r), ensure_ascii=False, sort_keys=True, default=str) for r in rows]
     else:
         meta = ["{}"] * n
