@@ -10,8 +10,10 @@ of data bug.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -86,6 +88,15 @@ class DemoParams:
     pydoc_topics: int = 1000
 
 
+def _require_order(section: Any, key: str, *pairs: tuple[str, str]) -> None:
+    """Refuse a lower bound above its upper bound (None: that side is off): every document would
+    fall outside the band, dropped under the rule's reason, and nothing would say why."""
+    for low_name, high_name in pairs:
+        low, high = getattr(section, low_name), getattr(section, high_name)
+        if low is not None and high is not None and low > high:
+            raise AssayError(f"params: {key}.{low_name} = {low} should be at most {key}.{high_name} = {high}")
+
+
 @dataclass
 class GopherQualityParams:
     """Gopher (Rae et al. 2021, appendix A) quality rules; defaults are the paper's."""
@@ -103,6 +114,10 @@ class GopherQualityParams:
     min_alpha_words_ratio: float | None = 0.8
     min_stop_words: int | None = 2
     stop_words: list[str] = field(default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"])
+
+    def __post_init__(self) -> None:
+        _require_order(self, "static.heuristics.gopher_quality",
+                       ("min_doc_words", "max_doc_words"), ("min_avg_word_length", "max_avg_word_length"))
 
 
 @dataclass
@@ -438,6 +453,9 @@ class CodeRuleParams:
     config_max_chars: int = 5000
     drop_xml_with_declaration: bool = True
 
+    def __post_init__(self) -> None:
+        _require_order(self, "domain.rules", ("config_min_chars", "config_max_chars"))
+
 
 #: The default model's calibrated floor (see DomainModelParams.min_perplexity).
 MIN_PERPLEXITY = 66.1
@@ -467,6 +485,9 @@ class DomainModelParams:
     percentile_band: list[float] | None = None
     band_sample: int = 2000
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require_order(self, "domain.model", ("min_perplexity", "max_perplexity"))
 
 
 @dataclass
@@ -547,6 +568,10 @@ class DedupParams:
     semantic: SemanticDedupParams = field(default_factory=SemanticDedupParams)
 
 
+#: `vectors.backend`'s choices (assay.vectors.base.open_store opens each).
+VECTOR_BACKENDS = ("local", "weaviate")
+
+
 @dataclass
 class VectorParams:
     """The vector store and knowledge graph: "local" (default) or "weaviate"."""
@@ -560,6 +585,10 @@ class VectorParams:
     weaviate_url: str | None = None
     batch_size: int = 200
     collection_prefix: str = ""
+
+
+#: `train.model.attention`'s choices (training.model.ModelArgs builds each).
+TRAIN_ATTENTIONS = ("dense", "sparse")
 
 
 @dataclass
@@ -624,6 +653,19 @@ class TrainParallelParams:
 
 #: `train.precision`'s choices (training/precision.py says what each runs in).
 TRAIN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_fp16")
+
+#: The device types `torch.device` parses. assay.devices.pick_device takes "auto" or any string torch.device
+#: parses: a type, then optionally ":" and an index. Copied here because this module must not import torch;
+#: tests/test_config_ranges.py checks the copy against the installed torch.
+TORCH_DEVICE_TYPES = ("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+                      "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone")
+DEVICE_PATTERN = re.compile(rf"auto|(?:{'|'.join(TORCH_DEVICE_TYPES)})(?::(?:0|[1-9][0-9]*))?")
+
+#: Settings with a fixed set of values. The code that uses each checks it too (code builds these
+#: dataclasses directly); this refuses a typo on loading, not after the stages before it have run.
+CHOICES: dict[str, tuple[str, ...]] = {"train.model.attention": TRAIN_ATTENTIONS, "vectors.backend": VECTOR_BACKENDS}
+#: The settings assay.devices.pick_device reads.
+DEVICE_KEYS = ("static.encoder.device", "domain.model.device", "train.device", "score.device")
 
 
 @dataclass
@@ -887,8 +929,26 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             kwargs[name] = _build(hint, value or {}, f"{where}.{name}".lstrip("."))
         else:
             kwargs[name] = _check_type(value, hint, f"{where}.{name}".lstrip("."))
-            check_range(f"{where}.{name}".lstrip("."), kwargs[name])
+            _check_value(f"{where}.{name}".lstrip("."), kwargs[name])
     return cls(**kwargs)
+
+
+def _check_value(key: str, value: Any) -> None:
+    """Raise AssayError naming `key` for a value of the right type that its stage would refuse or ignore."""
+    check_range(key, value)
+    if key in CHOICES and value not in CHOICES[key]:
+        raise AssayError(f"params: {key} = {value!r} should be one of {', '.join(CHOICES[key])}")
+    if key in DEVICE_KEYS and not DEVICE_PATTERN.fullmatch(value):
+        raise AssayError(f"params: {key} = {value!r} should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)")
+    if key == "ingest.fallback_encodings":
+        # decode() only tries the names listed here, so an unknown one would be skipped without a word.
+        for i, name in enumerate(value):
+            try:
+                text_codec = codecs.lookup(name)._is_text_encoding  # rot13, base64...: bytes to bytes
+            except (LookupError, ValueError):  # ValueError: a NUL in the name
+                raise AssayError(f"params: {key}[{i}] = {name!r} is not an encoding Python knows") from None
+            if not text_codec:
+                raise AssayError(f"params: {key}[{i}] = {name!r} is not a text encoding")
 
 
 def params_from_dict(data: dict[str, Any] | None) -> Params:

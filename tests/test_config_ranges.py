@@ -56,3 +56,35 @@ def test_a_value_out_of_range_is_one_line_naming_the_key(tmp_path, data, key):
 def test_null_still_switches_a_rule_off():
     params = params_from_dict({"static": {"heuristics": {"gopher_quality": {"min_alpha_words_ratio": None}}}})
     assert params.static.heuristics.gopher_quality.min_alpha_words_ratio is None
+
+
+GOPHER = "static.heuristics.gopher_quality"
+
+
+@pytest.mark.parametrize("data,line", [
+    ({"static": {"heuristics": {"gopher_quality": {"min_doc_words": 200, "max_doc_words": 100}}}},
+     f"params: {GOPHER}.min_doc_words = 200 should be at most {GOPHER}.max_doc_words = 100"),
+    ({"ingest": {"fallback_encodings": ["cp1252", "latin_9x"]}},
+     "params: ingest.fallback_encodings[1] = 'latin_9x' is not an encoding Python knows"),
+    ({"train": {"model": {"attention": "flash"}}}, "params: train.model.attention = 'flash' should be one of dense, sparse"),
+    ({"vectors": {"backend": "milvus"}}, "params: vectors.backend = 'milvus' should be one of local, weaviate"),
+    ({"train": {"device": "gpu"}}, "params: train.device = 'gpu' should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)"),
+    ({"score": {"device": "gpu"}}, "params: score.device = 'gpu' should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)"),
+    ({"static": {"encoder": {"device": "cuda0"}}},
+     "params: static.encoder.device = 'cuda0' should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)"),
+    ({"domain": {"model": {"device": "GPU"}}},
+     "params: domain.model.device = 'GPU' should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)"),
+    ({"ingest": {"fallback_encodings": ["rot13"]}}, "params: ingest.fallback_encodings[0] = 'rot13' is not a text encoding"),
+    ({"static": {"heuristics": {"gopher_quality": {"min_avg_word_length": 12, "max_avg_word_length": 10}}}},
+     f"params: {GOPHER}.min_avg_word_length = 12.0 should be at most {GOPHER}.max_avg_word_length = 10.0"),
+    ({"domain": {"rules": {"config_min_chars": 6000}}},
+     "params: domain.rules.config_min_chars = 6000 should be at most domain.rules.config_max_chars = 5000"),
+    ({"domain": {"model": {"min_perplexity": 2.0e9}}},
+     "params: domain.model.min_perplexity = 2000000000.0 should be at most domain.model.max_perplexity = 1000000000.0"),
+])
+def test_a_value_its_stage_would_refuse_or_ignore_is_one_line_on_loading(tmp_path, data, line):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(AssayError) as caught:
+        load_params(path)
+    assert str(caught.value) == line

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from assay.config import Params, load_params, params_from_dict
+from assay.config import TORCH_DEVICE_TYPES, TRAIN_ATTENTIONS, VECTOR_BACKENDS, Params, load_params, params_from_dict
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA, DOCUMENT_COLUMNS, document_id
 
@@ -78,6 +78,13 @@ def test_a_params_path_that_is_not_a_text_file_says_so(tmp_path):
     ({"train": {"tokenizer_chars": 0}}, "train.tokenizer_chars"),
     ({"train": {"telemetry": {"spike_window": 0}}}, "train.telemetry.spike_window"),
     ({"dynamic": {"repeat_draws": -1}}, "dynamic.repeat_draws"),
+    ({"static": {"heuristics": {"gopher_quality": {"min_doc_words": 101, "max_doc_words": 100}}}},
+     "gopher_quality.min_doc_words = 101 should be at most static.heuristics.gopher_quality.max_doc_words = 100"),
+    ({"ingest": {"fallback_encodings": ["utf-99"]}}, "ingest.fallback_encodings[0] = 'utf-99'"),
+    ({"ingest": {"fallback_encodings": ["cp\x001252"]}}, "ingest.fallback_encodings[0]"),
+    ({"train": {"model": {"attention": "Dense"}}}, "train.model.attention = 'Dense'"),
+    ({"vectors": {"backend": "faiss"}}, "vectors.backend = 'faiss'"),
+    ({"train": {"device": "cuda0"}}, "train.device = 'cuda0'"),
 ])
 def test_values_that_load_but_cannot_work_are_refused_naming_the_key(tree, key):
     with pytest.raises(AssayError, match=re.escape(key)):
@@ -99,3 +106,67 @@ def test_params_yaml_names_every_knob():
 
     on_disk = yaml.safe_load((ROOT / "params.yaml").read_text())
     assert _keys(on_disk) == _keys(dataclasses.asdict(Params()))
+
+
+def test_word_count_bounds_may_meet_or_be_switched_off():
+    for min_words, max_words in ((100, 100), (None, 10), (500, None)):
+        gq = {"min_doc_words": min_words, "max_doc_words": max_words}
+        params = params_from_dict({"static": {"heuristics": {"gopher_quality": gq}}})
+        assert params.static.heuristics.gopher_quality.min_doc_words == min_words
+
+
+# What the runtime check (assay.devices.pick_device: "auto", else torch.device(name)) takes and refuses.
+DEVICES = ["auto", "cpu", "cuda", "cuda:0", "cuda:1", "cuda:12", "cpu:0", "xpu", "xpu:1", "mps", "meta", "hpu",
+           "gpu", "GPU", "CUDA", "Auto", "auto:0", "cuda0", "cuda:", "cuda:01", "cuda:-1", "cuda:0:1", "cuda: 0",
+           " cuda", "cuda ", "cuda:1e3", "", "cpu,cuda"]
+
+
+@pytest.mark.parametrize("name", DEVICES)
+def test_train_device_takes_on_loading_what_pick_device_takes(name):
+    torch = pytest.importorskip("torch")
+    try:
+        torch.device(name)
+        runtime = True
+    except RuntimeError:
+        runtime = name == "auto"
+    try:
+        params_from_dict({"train": {"device": name}})
+        loads = True
+    except AssayError as exc:
+        assert str(exc).startswith(f"params: train.device = {name!r} ") and "\n" not in str(exc)
+        loads = False
+    assert loads == runtime
+
+
+def test_the_device_types_are_the_installed_torchs():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(RuntimeError) as caught:
+        torch.device("gpu")  # a type torch does not know: its message lists those it does
+    listed = re.search(r"Expected one of (.+?) device type", str(caught.value))
+    assert listed, caught.value
+    assert set(TORCH_DEVICE_TYPES) == set(listed.group(1).split(", "))
+
+
+def test_the_choices_are_the_ones_the_stages_take(tmp_path, monkeypatch):
+    from assay.config import VectorParams
+    from assay.vectors.base import open_store
+    from training.model import ModelArgs
+
+    for attention in TRAIN_ATTENTIONS:
+        ModelArgs(attention=attention)
+    with pytest.raises(ValueError):
+        ModelArgs(attention="not-" + TRAIN_ATTENTIONS[0])
+    monkeypatch.delenv("WEAVIATE_URL", raising=False)
+    for backend in VECTOR_BACKENDS:  # each gets past open_store's choice (weaviate then lacks its address)
+        try:
+            open_store(VectorParams(backend=backend), tmp_path).close()
+        except AssayError as exc:
+            assert "must be one of local, weaviate" not in str(exc), exc
+    with pytest.raises(AssayError, match="must be one of local, weaviate"):
+        open_store(VectorParams(backend="not-" + VECTOR_BACKENDS[0]), tmp_path)
+
+
+def test_only_known_encodings_load():
+    params = params_from_dict({"ingest": {"fallback_encodings": ["cp1252", "latin_1", "iso8859_15", "cp1250"]}})
+    assert params.ingest.fallback_encodings[-1] == "cp1250"
+    assert params_from_dict({"ingest": {"fallback_encodings": []}}).ingest.fallback_encodings == []

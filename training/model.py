@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from assay.config import TRAIN_ATTENTIONS
 from training.moe import FeedForward, MoE
 
 __all__ = ["Attention", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock"]
@@ -50,7 +51,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        if self.attention not in ("dense", "sparse"):
+        if self.attention not in TRAIN_ATTENTIONS:
             raise ValueError(f"attention must be 'dense' or 'sparse', not {self.attention!r}")
         if self.ffn not in ("dense", "moe"):
             raise ValueError(f"ffn must be 'dense' or 'moe', not {self.ffn!r}")

@@ -283,4 +283,6 @@ def open_store(params, dataset_dir: str | os.PathLike, *, read_only: bool = Fals
         from assay.vectors.weaviate_store import WeaviateVectorStore
 
         return WeaviateVectorStore(url, prefix=params.collection_prefix, batch_size=params.batch_size)
-    raise AssayError(f"vectors.backend must be local or weaviate, not {params.backend!r}")
+    from assay.config import VECTOR_BACKENDS
+
+    raise AssayError(f"vectors.backend must be one of {', '.join(VECTOR_BACKENDS)}, not {params.backend!r}")

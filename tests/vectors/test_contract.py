@@ -373,7 +373,7 @@ def test_open_store_chooses_the_backend(tmp_path, monkeypatch):
     store.close()
     with pytest.raises(AssayError, match="weaviate_url"):
         open_store(VectorParams(backend="weaviate"), tmp_path)
-    with pytest.raises(AssayError, match="local or weaviate"):
+    with pytest.raises(AssayError, match="one of local, weaviate"):
         open_store(VectorParams(backend="milvus"), tmp_path)
     # WEAVIATE_URL wins over backend: local; with nothing listening, a one-line AssayError.
     monkeypatch.setenv("WEAVIATE_URL", "http://127.0.0.1:9")
