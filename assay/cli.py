@@ -50,12 +50,21 @@ def _params_file() -> Optional[str]:
 class _OneLineErrors(logging.Filter):
     """Prefect logs a failed run's traceback to the console; the CLI promises
     one line per error, so the console shows the message without the
-    traceback (the Prefect API and UI still receive it in full)."""
+    traceback (the Prefect API and UI still receive it in full).
+
+    A user's error (AssayError) the CLI prints itself, as its last line, so the
+    console drops Prefect's ERROR line for it ("Encountered exception during
+    execution: AssayError(...)") and the state line that repeats it.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info:
+            if isinstance(record.exc_info[1], AssayError):
+                return False
             record.exc_info = None
             record.exc_text = None
+        elif record.name.startswith("prefect.") and "in state Failed" in str(record.msg) and "AssayError" in record.getMessage():
+            return False
         return True
 
 
@@ -446,45 +455,14 @@ def versions_command(
     Counts come from each output's manifest at that commit, read through DVC
     (cache, else the default remote); nothing is checked out.
     """
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
+    from assay import report
     from assay.history import list_versions
 
     found = list_versions(repo)
     if json_output:
         _print_json([v.as_dict() for v in found])
         return
-    if not found:
-        print("no dataset versions yet: no commit changed a data/ output in dvc.lock or a .dvc file")
-        return
-    paths = list(dict.fromkeys(o["path"] for v in found for o in v.outputs))
-    table = Table(title=f"dataset versions in {repo}")
-    for name in ("commit", "date (UTC)", "tags", "message"):
-        table.add_column(name)
-    for path in paths:
-        table.add_column(path.removeprefix("data/"), justify="right")
-    errors = []
-    for version in found:
-        by_path = {o["path"]: o for o in version.outputs}
-        cells = []
-        for path in paths:
-            out = by_path.get(path)
-            if out is None:
-                cells.append("")
-                continue
-            count = "?" if out["documents"] is None else f"{out['documents']:,}"
-            cells.append(f"[bold]{count}[/]" if path in version.changed else count)
-            if out.get("error"):
-                errors.append(out["error"])
-        table.add_row(version.commit[:8], version.date[:16].replace("T", " "), ", ".join(version.tags),
-                      escape(version.subject[:50]), *cells)
-    console = Console()
-    console.print(table)
-    console.print("bold: changed at that commit", style="dim")
-    for error in dict.fromkeys(errors):
-        console.print(f"?: {error}", style="yellow")
+    report.versions(found, repo)
 
 
 @app.command("diff")
@@ -634,8 +612,11 @@ def report_command(
     Every missing input makes its section say so and how to produce it.
     """
     from assay import report
+    from assay.report_html import ReportInputs, require_stage_outputs
     from flows.report import report_flow
 
+    # Before the flow: a stage option given another stage's output is one line, without a Prefect run.
+    require_stage_outputs(ReportInputs(raw, static, domain, dedup, curated, round0, round1, models, labelled, repo))
     _quiet_console_tracebacks()
     summary = report_flow(str(out), str(raw), str(static), str(domain), str(dedup), str(curated), str(round0),
                           str(round1), str(models), str(labelled), str(repo), examples, measure_labelled,

@@ -5,16 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.shards import DECISIONS_DIR, QUARANTINE_DIR, iter_batches, list_shards, read_manifest, require_dataset
+from assay.schema import DECISION_SCHEMA
+from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, first_line, iter_batches, list_shards, open_shard,
+                          read_manifest, require_dataset, require_documents)
 
 
 def find_document(directory: str | Path, doc_id: str) -> dict[str, Any] | None:
     """The document row with `doc_id`, else its quarantine record, else None."""
-    require_dataset(directory)
+    require_documents(directory)
     for batch in iter_batches(directory, filter_ids=[doc_id]):
         return {**batch.slice(0, 1).to_pylist()[0], "status": "document"}
     for batch in iter_batches(Path(directory) / QUARANTINE_DIR, filter_ids=[doc_id]):
@@ -30,7 +33,13 @@ def decisions_for(directory: str | Path, doc_id: str) -> list[dict[str, Any]]:
     folder = Path(directory) / DECISIONS_DIR
     rows = []
     for shard in list_shards(folder):
-        table = pq.read_table(shard, filters=pc.field("id") == doc_id)
+        # A damaged shard (garbage bytes, cut short) is an error that names it, not pyarrow's
+        # traceback: the footer and the columns are checked first, then the filtered read.
+        open_shard(shard, shard, DECISION_SCHEMA, ("id", "stage", "kept", "reason", "scores"))
+        try:
+            table = pq.read_table(shard, filters=pc.field("id") == doc_id)
+        except (pa.ArrowException, OSError) as exc:
+            raise AssayError(f"{shard}: corrupt Parquet data ({first_line(exc)})") from None
         for row in table.to_pylist():
             row["scores"] = dict(row["scores"]) if row["scores"] else {}
             rows.append(row)
@@ -42,8 +51,13 @@ def why(doc_id: str, directories: list[str | Path]) -> list[dict[str, Any]]:
     if not directories:
         raise AssayError("give at least one --data DIR")
     story = []
+    seen: set[Path] = set()
     for directory in directories:
         require_dataset(directory)
+        resolved = Path(directory).resolve()
+        if resolved in seen:  # one dataset given twice (`--data X --data X/`, or through a link): its decisions once
+            continue
+        seen.add(resolved)
         try:
             created = read_manifest(directory).get("created_at", "")
         except AssayError:

@@ -6,9 +6,35 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 console = Console()
+#: Wider than any table: the width a table is measured at for its natural width.
+_UNBOUNDED = 1_000_000
+
+
+def whole_column(table: Table, name: str, **options: Any) -> None:
+    """A column whose values must reach the reader whole (document ids, commits, counts): on a
+    terminal too narrow for the table they are folded inside their cells, as `assay diff` prints
+    ids, never cut with "…" (rich's default); rich narrows the widest columns first."""
+    table.add_column(name, overflow="fold", **options)
+
+
+def print_table(table: Table) -> None:
+    """Print `table`; when stdout is not a terminal (a pipe, a file, a script), at its natural width.
+
+    Rich lays out for the terminal, or for 80 columns (or $COLUMNS) when there is none, and cut
+    ids, commits and counts to fit ("corpus/deeply/nested/d…"). Off a terminal nobody reads the
+    layout, and a folded id breaks grep and copy-paste into `assay why`: each id stays on one line.
+    """
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update_width(_UNBOUNDED), table).maximum
+        if natural > console.width:
+            Console(file=console.file, width=natural).print(table)
+            return
+    console.print(table)
 
 
 def _size(n: int | None) -> str:
@@ -158,11 +184,14 @@ def hits(rows, json_output: bool, exact: bool) -> None:
         as_json({"exact": exact, "hits": data})
         return
     table = Table(title=f"{len(data)} nearest ({'exact' if exact else 'approximate: HNSW'} search)")
-    for column in ("score", "doc_id", "source", "status", "path"):
+    table.add_column("score")
+    whole_column(table, "doc_id")
+    for column in ("source", "status", "path"):
         table.add_column(column)
-    for h in data:
-        table.add_row(f"{h['score']:.4f}", h["doc_id"], str(h["source"]), str(h["status"]), str(h.get("path", "")))
-    console.print(table)
+    for h in data:  # escaped: an id from the input ("[b]x") is text, not rich markup
+        table.add_row(f"{h['score']:.4f}", escape(h["doc_id"]), escape(str(h["source"])), escape(str(h["status"])),
+                      escape(str(h.get("path", ""))))
+    print_table(table)
 
 
 def clusters(doc_id: str, result: dict, json_output: bool) -> None:
@@ -172,13 +201,50 @@ def clusters(doc_id: str, result: dict, json_output: bool) -> None:
     if not result:
         console.print(f"{doc_id} is in no duplicate cluster")
     for cluster_id, members in result.items():
-        table = Table(title=f"cluster {cluster_id} ({len(members)} members)")
-        for column in ("doc_id", "status", "duplicate_of", "source", "path"):
+        table = Table(title=escape(f"cluster {cluster_id} ({len(members)} members)"))
+        whole_column(table, "doc_id")
+        table.add_column("status")
+        whole_column(table, "duplicate_of")
+        for column in ("source", "path"):
             table.add_column(column)
         for m in members:
-            table.add_row(m.get("doc_id", ""), str(m.get("status")), str(m.get("duplicate_of") or ""),
-                          str(m.get("source")), str(m.get("path")))
-        console.print(table)
+            table.add_row(escape(m.get("doc_id", "")), escape(str(m.get("status"))),
+                          escape(str(m.get("duplicate_of") or "")), escape(str(m.get("source"))), escape(str(m.get("path"))))
+        print_table(table)
+
+
+def versions(found, repo) -> None:
+    """`assay versions`' table: a row per version (`assay.history.Version`), a column per data output."""
+    if not found:
+        print("no dataset versions yet: no commit changed a data/ output in dvc.lock or a .dvc file")
+        return
+    paths = list(dict.fromkeys(o["path"] for v in found for o in v.outputs))
+    table = Table(title=escape(f"dataset versions in {repo}"))
+    whole_column(table, "commit")  # the short hash `assay diff` and git take
+    table.add_column("date (UTC)")
+    table.add_column("tags", overflow="fold")  # wrapped between tags, each whole
+    table.add_column("message")
+    for path in paths:
+        whole_column(table, escape(path.removeprefix("data/")), justify="right")
+    errors = []
+    for version in found:
+        by_path = {o["path"]: o for o in version.outputs}
+        cells = []
+        for path in paths:
+            out = by_path.get(path)
+            if out is None:
+                cells.append("")
+                continue
+            count = "?" if out["documents"] is None else f"{out['documents']:,}"
+            cells.append(f"[bold]{count}[/]" if path in version.changed else count)
+            if out.get("error"):
+                errors.append(out["error"])
+        table.add_row(version.commit[:8], version.date[:16].replace("T", " "), escape(", ".join(version.tags)),
+                      escape(version.subject[:50]), *cells)
+    print_table(table)
+    console.print("bold: changed at that commit", style="dim")
+    for error in dict.fromkeys(errors):
+        console.print(f"?: {error}", style="yellow", markup=False)
 
 
 def overlap(rows, json_output: bool) -> None:

@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 from assay.errors import AssayError
 from assay.shards import DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, list_shards
 
-__all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "measure_labelled_code",
-           "why_stories"]
+__all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "made_by",
+           "measure_labelled_code", "require_stage_outputs", "why_stories"]
 
 #: Every chart's container carries this class and `data-chart="<name>"`; the
 #: browser test counts what Plotly drew inside each one.
@@ -114,6 +114,36 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 def _manifest(directory: Path) -> dict[str, Any] | None:
     return _json(directory / MANIFEST)
+
+
+def made_by(directory: Path) -> str | None:
+    """The stage that made a dataset: its manifest's `stage`, else (no manifest) its decisions'; None
+    when neither says (absent, unreadable: the sections say what is missing)."""
+    manifest = _manifest(directory)
+    if isinstance(manifest, dict) and isinstance(manifest.get("stage"), str):
+        return manifest["stage"]
+    shards = list_shards(directory / DECISIONS_DIR)
+    if manifest is not None or not shards:
+        return None
+    try:
+        parquet = pq.ParquetFile(shards[0])
+        if not parquet.metadata.num_row_groups:
+            return None
+        stages = parquet.read_row_group(0, columns=["stage"]).column("stage")
+    except (pa.ArrowException, OSError, KeyError):
+        return None
+    return stages[0].as_py() if len(stages) else None
+
+
+def require_stage_outputs(inputs: ReportInputs) -> None:
+    """Refuse a stage option given another stage's output (`--static data/raw`): the page drew ingest's
+    decisions as tier 1's, labelled tier 1. Checked before anything is read or written."""
+    for stage, directory in inputs.stage_dirs():
+        found = made_by(directory)
+        if found is not None and found != stage.name:
+            command = stage.produce.split("  (or")[0]
+            raise AssayError(f"{directory}: a dataset made by stage '{found}', not '{stage.name}': --{stage.attr} "
+                             f"takes the {stage.name} stage's output, made by `{command}`")
 
 
 def _decisions(directory: Path, columns: list[str]) -> pa.Table | None:
@@ -1007,6 +1037,7 @@ def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise AssayError(f"{out}: exists and is not a directory")
+    require_stage_outputs(inputs)
     out.mkdir(parents=True, exist_ok=True)
     thresholds, dropped = dynamic_thresholds(inputs.curated)
     sections = [_head_section(inputs), _flow_section(inputs), _scores_section(inputs, thresholds, dropped),

@@ -335,6 +335,43 @@ def require_dataset(directory: str | os.PathLike) -> Path:
     return directory
 
 
+#: The columns that make a shard a document shard: every dataset's `part-*.parquet` has them
+#: (assay.schema.DOCUMENT_SCHEMA); a stage's decisions/, quarantine/ or embeddings/ have `id`, never `text`.
+DOCUMENT_KEY_COLUMNS = ("id", "text")
+
+
+def require_documents(directory: str | os.PathLike, columns: Iterable[str] = ()) -> Path:
+    """:func:`require_dataset`, and its shards are documents with `columns` (each of the right type).
+
+    A folder of other Parquet (a stage's ``decisions/`` or ``embeddings/``) has ``part-*.parquet``
+    too, so :func:`require_dataset` takes it: `assay stats` then failed inside pyarrow on a missing
+    column, and `assay show` printed a decision row as a document. Only footers are read.
+    """
+    from assay.schema import DOCUMENT_SCHEMA
+
+    directory = require_dataset(directory)
+    wanted = list(dict.fromkeys((*DOCUMENT_KEY_COLUMNS, *columns)))
+    for shard in list_shards(directory):
+        names = open_shard(shard, shard).schema_arrow.names
+        missing = [name for name in DOCUMENT_KEY_COLUMNS if name not in names]
+        if missing:
+            where = (f"; it looks like a stage's {directory.name}/ folder: give the dataset that holds it, "
+                     f"{directory.parent}") if directory.name in (DECISIONS_DIR, QUARANTINE_DIR, "embeddings") else ""
+            manifest = "" if (directory / MANIFEST).is_file() else f", and it has no {MANIFEST}"
+            raise AssayError(f"{directory}: not a document dataset: {shard.name} has no "
+                             f"{' or '.join(repr(m) for m in missing)} column (it has: {', '.join(names)}){manifest}"
+                             f"{where}")
+        open_shard(shard, shard, DOCUMENT_SCHEMA, wanted)
+    return directory
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line: the CLI prints errors as one line, and pyarrow's
+    (thrift's "Couldn't deserialize thrift: ...") can end in a newline or run on."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _same_family(a: pa.DataType, b: pa.DataType) -> bool:
     """string and large_string (binary and large_binary) hold the same values."""
     texts = (pa.string(), pa.large_string())
@@ -354,7 +391,7 @@ def open_shard(source: Any, label: str | os.PathLike, schema: pa.Schema | None =
     try:
         parquet = pq.ParquetFile(source)
     except (pa.ArrowException, OSError) as exc:
-        raise AssayError(f"{label}: not a readable Parquet shard ({exc})") from None
+        raise AssayError(f"{label}: not a readable Parquet shard ({first_line(exc)})") from None
     if schema is not None:
         found = parquet.schema_arrow
         for name in (columns if columns is not None else schema.names):
@@ -381,7 +418,7 @@ def shard_batches(parquet: pq.ParquetFile, label: str | os.PathLike, *, columns:
         for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
             yield from byte_slices(batch, max_bytes) if max_bytes else (batch,)
     except (pa.ArrowException, OSError) as exc:
-        raise AssayError(f"{label}: corrupt Parquet data ({exc})") from None
+        raise AssayError(f"{label}: corrupt Parquet data ({first_line(exc)})") from None
 
 
 def byte_slices(batch: pa.RecordBatch, max_bytes: int) -> Iterator[pa.RecordBatch]:

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from assay.shards import iter_batches, read_manifest, require_dataset
+from assay.shards import iter_batches, read_manifest, require_documents
 
 #: UTF-8 bytes per token of a byte-level BPE on English and code; an
 #: approximation for sizing, not a tokenizer's count.
@@ -17,10 +17,11 @@ BYTES_PER_TOKEN = 4.0
 
 
 def dataset_stats(directory: str | Path, batch_rows: int = 4096) -> dict[str, Any]:
-    require_dataset(directory)
+    columns = ["text", "kind", "lang", "source"]
+    require_documents(directory, columns)
     totals = {"documents": 0, "bytes": 0}
     groups: dict[str, dict[str, list[int]]] = {k: defaultdict(lambda: [0, 0]) for k in ("kind", "lang", "source")}
-    for batch in iter_batches(directory, columns=["text", "kind", "lang", "source"], batch_size=batch_rows):
+    for batch in iter_batches(directory, columns=columns, batch_size=batch_rows):
         table = pa.Table.from_batches([batch])
         table = table.append_column("bytes", pc.binary_length(table.column("text")))
         totals["documents"] += table.num_rows

@@ -81,3 +81,182 @@ def test_bad_params_file_is_a_clear_error(tmp_path):
     (tmp_path / "params.yaml").write_text("ingest:\n  max_bytez: 1\n")
     proc = run("ingest", tmp_path, "--out", tmp_path / "o", cwd=tmp_path, check=False)
     assert proc.returncode == 1 and "unknown key ingest.max_bytez" in proc.stderr
+
+
+# --- read side, from a probe (2026-12-06) ------------------------------------------------------------------------
+
+
+def _one_line_error(proc, *fragments):
+    assert proc.returncode == 1, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("assay: error:") and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def test_stats_and_show_refuse_a_folder_of_other_parquet(ingested, tmp_path):
+    """`stats` on a stage's decisions/ or embeddings/ was an internal KeyError ('Field "text" does not
+    exist'), and `show` printed a decision row as the document (rc 0)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from assay.schema import embedding_schema
+
+    out = ingested["out"]
+    embeddings = tmp_path / "static" / "embeddings"
+    embeddings.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ["a", "b"], "vector": [[1.0, 0.0], [0.0, 1.0]]}, schema=embedding_schema(2)),
+                   embeddings / "part-00000.parquet")
+    doc = document_id("corpus", "src/app.py")
+    for folder, doc_id, columns in ((out / "decisions", doc, "id, stage, kept"), (embeddings, "a", "id, vector")):
+        for args in (["stats", folder], ["show", doc_id, "--data", folder]):
+            proc = run(*args, check=False)
+            _one_line_error(proc, f"{folder}: not a document dataset", "no 'text' column", f"(it has: {columns}",
+                            "no manifest.json", f"give the dataset that holds it, {folder.parent}")
+            assert proc.stdout == ""  # nothing printed as a document
+    # The dataset itself still reads.
+    assert json.loads(run("stats", out, "--json").stdout)["documents"] == 7
+
+
+def _corrupt_pages(shard: Path) -> None:
+    """Garbage over every byte between the magic number and the footer: the footer still reads."""
+    data = bytearray(shard.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    data[4:len(data) - 8 - footer] = b"\xab" * (len(data) - 12 - footer)
+    shard.write_bytes(bytes(data))
+
+
+def _corrupt_footer(shard: Path) -> None:
+    """Garbage over the footer's metadata, its length and magic number kept: thrift's message ends in a newline."""
+    data = bytearray(shard.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    data[len(data) - 8 - footer:len(data) - 8] = b"\xab" * footer
+    shard.write_bytes(bytes(data))
+
+
+def test_why_on_a_corrupt_decisions_shard_names_it_in_one_line(ingested, tmp_path):
+    """A decisions part cut short, or with garbage pages under a sound footer, was pyarrow's ArrowInvalid
+    (an internal error; with --debug a traceback) and thrift's message ended in a newline."""
+    import pyarrow.parquet as pq
+
+    for name, damage in (("cut", lambda p: p.write_bytes(p.read_bytes()[:300])), ("pages", _corrupt_pages),
+                         ("footer", _corrupt_footer)):
+        data = shutil.copytree(ingested["out"], tmp_path / name)
+        # The shard that holds r1's decision: a row group whose id range leaves r1 out is never read.
+        shard = next(s for s in sorted((data / "decisions").glob("part-*.parquet"))
+                     if "r1" in pq.read_table(s, columns=["id"]).column("id").to_pylist())
+        damage(shard)
+        _one_line_error(run("why", "r1", "--data", data, check=False), str(shard))
+
+
+def test_why_lists_a_dataset_given_twice_once(ingested, tmp_path):
+    out = ingested["out"]
+    (tmp_path / "link").symlink_to(out)
+    once = json.loads(run("why", "r1", "--data", out, "--json").stdout)
+    assert len(once) == 1
+    twice = json.loads(run("why", "r1", "--data", out, "--data", f"{out}/", "--data", tmp_path / "link",
+                           "--data", out / ".." / out.name, "--json").stdout)
+    assert twice == once
+    text = run("why", "r1", "--data", out, "--data", out).stdout
+    assert "(1 decision(s)" in text and text.count("• ingest") == 1
+
+
+LONG_A = "corpus/" + "deeply/nested/" * 8 + "alpha.txt#line:000123"
+LONG_B = "corpus/" + "deeply/nested/" * 8 + "beta.txt#line:000456"
+
+
+def _column(text: str, header: str) -> str:
+    """A rich table's column read top to bottom, its cells' pieces joined: what a reader gets back of
+    its values, folded or not (a cut one ends in '…')."""
+    def read(mark: str, index: int) -> str:
+        return "".join(line.strip(mark).split(mark)[index].strip()
+                       for line in text.splitlines() if line.startswith(mark))
+
+    columns = text.splitlines()[[line.startswith("┃") for line in text.splitlines()].index(True)].count("┃") - 1
+    return read("│", [read("┃", i) for i in range(columns)].index(header))
+
+
+def test_similar_and_cluster_print_ids_whole_at_80_columns(tmp_path):
+    """At 80 columns rich cut ids to 'corpus/deeply/nested/d…'; no command could take them back."""
+    import os
+
+    import numpy as np
+
+    from assay.config import load_params
+    from assay.vectors import ClusterRecord, DocumentRecord, open_store
+    from corpus import write_documents
+
+    data = write_documents(tmp_path / "dedup", [("a", "alpha text"), ("b", "beta text")])
+    with open_store(load_params(None).vectors, data) as store:
+        store.upsert_documents([
+            DocumentRecord(LONG_A, np.array([1, 0, 0, 0.1], np.float32), source="corpus", status="kept",
+                           path="x/a.txt", clusters=["c1"]),
+            DocumentRecord(LONG_B, np.array([1, 0, 0.1, 0], np.float32), source="corpus", status="near_dup",
+                           path="x/b.txt", clusters=["c1"], duplicate_of=LONG_A)])
+        store.upsert_clusters([ClusterRecord("c1", "near", [LONG_A, LONG_B])])
+    env = {**os.environ, "COLUMNS": "80"}
+    for args in (["similar", LONG_A, "-k", "1"], ["cluster", LONG_A]):
+        proc = subprocess.run([ASSAY, *args, "--data", str(data)], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        # Not a terminal: each id on one line, whole, for grep and `assay why`.
+        assert "…" not in proc.stdout and LONG_B in proc.stdout, proc.stdout
+    assert _column(proc.stdout, "duplicate_of") == LONG_A and _column(proc.stdout, "doc_id") == LONG_A + LONG_B
+
+
+def test_tables_fold_ids_commits_and_counts_on_a_narrow_terminal(monkeypatch):
+    """On an 80-column terminal an id, a commit or a count is folded inside its cell, never cut with '…'."""
+    import io
+
+    from rich.console import Console
+
+    from assay import report
+    from assay.history import Version
+    from assay.vectors import Hit
+
+    def render(draw) -> str:
+        buffer = io.StringIO()
+        monkeypatch.setattr(report, "console", Console(file=buffer, force_terminal=True, width=80, color_system=None))
+        draw()
+        return buffer.getvalue()
+
+    hits = render(lambda: report.hits([Hit(LONG_A, 0.99, "corpus", "kept", {"path": "x/a.txt"})], False, True))
+    assert _column(hits, "doc_id") == LONG_A and max(map(len, hits.splitlines())) <= 80
+    members = [{"doc_id": LONG_A, "status": "kept"}, {"doc_id": LONG_B, "status": "near_dup", "duplicate_of": LONG_A}]
+    clusters = render(lambda: report.clusters(LONG_A, {"c1": members}, False))
+    assert _column(clusters, "doc_id") == LONG_A + LONG_B and _column(clusters, "duplicate_of") == LONG_A
+
+    commit = "a84f1d7e" + "0" * 32
+    outputs = [{"path": f"data/{p}", "documents": 1_234_567} for p in ("raw", "static", "domain", "dedup", "curated")]
+    version = Version(commit, "2026-12-06T19:42:00", "Read side, from a probe: export never deletes the run",
+                      ["v1", "release-2026-12"], ["data/raw"], outputs)
+    table = render(lambda: report.versions([version], "."))
+    assert _column(table, "commit") == commit[:8] and _column(table, "tags") == "v1,release-2026-12"
+    assert _column(table, "raw") == "1,234,567" and max(map(len, table.splitlines())) <= 80
+
+
+def test_versions_table_off_a_terminal_keeps_every_cell_on_one_line(monkeypatch, capsys):
+    from assay import report
+    from assay.history import Version
+
+    monkeypatch.setenv("COLUMNS", "80")
+    commit = "a84f1d7e" + "0" * 32
+    outputs = [{"path": f"data/{p}", "documents": 1_234_567} for p in ("raw", "static", "domain", "dedup", "curated")]
+    report.versions([Version(commit, "2026-12-06T19:42:00", "data v2", ["v1", "release-2026-12"], ["data/raw"],
+                             outputs)], ".")
+    row = next(line for line in capsys.readouterr().out.splitlines() if commit[:8] in line)
+    assert "…" not in row and row.count("1,234,567") == 5 and "v1, release-2026-12" in row
+
+
+def test_a_users_error_inside_a_flow_is_one_line_without_prefects_error_log(ingested, tmp_path):
+    """A stage's AssayError raised inside the Prefect flow (here: no quality head) came after Prefect's
+    own `ERROR | Flow run ... Encountered exception` line and its `Finished in state Failed(...)` line,
+    the same message three times; the console keeps only the CLI's line (the API still gets the log)."""
+    (tmp_path / "params.yaml").write_text(f"static:\n  head: {tmp_path / 'no-head'}\n")
+    proc = run("--params", tmp_path / "params.yaml", "run", "static", "--in", ingested["out"], "--out", tmp_path / "s",
+               check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if "no trained quality head" in line]
+    assert len(said) == 1 and said[0].startswith("assay: error:"), lines
+    assert not [line for line in lines if "ERROR" in line or "Traceback" in line], lines

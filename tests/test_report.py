@@ -385,3 +385,36 @@ def test_a_document_id_never_names_a_file_outside_the_report():
         assert "/" not in name and "\\" not in name and not name.startswith(".") and len(name) < 255
         assert (why / name).resolve().parent == why
     assert len(set(names)) == len(names)  # distinct ids, distinct files
+
+
+def test_a_stage_option_given_another_stages_output_is_refused(tmp_path):
+    """`assay report --static data/raw` drew ingest's decisions as tier 1's, labelled tier 1."""
+    from assay.errors import AssayError
+
+    raw = tmp_path / "data/raw"
+    (raw / "decisions").mkdir(parents=True)
+    ingest_rows = pa.table({"id": ["a", "b"], "stage": ["ingest"] * 2, "kept": [True, False],
+                            "reason": pa.array([None, "invalid:json"], pa.string()),
+                            "scores": pa.nulls(2, DECISION_SCHEMA.field("scores").type),
+                            "detail": pa.nulls(2, pa.string())}, schema=DECISION_SCHEMA)
+    pq.write_table(ingest_rows, raw / "decisions/part-00000.parquet")
+    write_manifest(raw, {"format": "assay-dataset/1", "stage": "ingest",
+                         "counts": {"input_records": 2, "documents": 1}})
+    bare = tmp_path / "bare"  # decisions without a manifest: their own `stage` says who made them
+    shutil.copytree(raw / "decisions", bare / "decisions")
+    nothing = tmp_path / "nothing"
+    base = dict(raw=raw, static=nothing, domain=nothing, dedup=nothing, curated=nothing, round0=nothing, round1=nothing,
+                models=nothing, labelled=nothing / "labelled.json", repo=tmp_path)
+    for field, given, wanted in (("static", raw, "static"), ("curated", bare, "dynamic"), ("raw", bare, None)):
+        inputs = ReportInputs(**{**base, field: given})
+        if wanted is None:  # ingest's output where ingest's is asked for
+            build_report(inputs, tmp_path / "reports", examples_per_reason=0)
+            continue
+        with pytest.raises(AssayError, match=f"made by stage 'ingest', not '{wanted}': --{field} takes"):
+            build_report(inputs, tmp_path / "refused", examples_per_reason=0)
+        assert not (tmp_path / "refused").exists()
+    proc = subprocess.run([BIN / "assay", "report", "--static", raw, "--raw", raw, "--out", tmp_path / "cli"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"assay: error: {raw}: a dataset made by stage 'ingest', not 'static'")
+    assert not (tmp_path / "cli").exists()
