@@ -21,6 +21,7 @@ identified by its own digest, as an untracked one is, with ``modified`` set.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -169,12 +170,24 @@ def _commit(fs: Any, rev: str | None) -> str | None:
         return None
 
 
+def _no_shards(given: str, absolute: Path) -> AssayError:
+    """The error for a folder without shards: a stage's output that kept nothing is not a damaged one."""
+    try:
+        manifest = json.loads((absolute / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and manifest.get("shards") == []:
+        return AssayError(f"{given} holds no documents: its stage ({manifest.get('stage', 'unknown')}) kept none "
+                          "of its input; its decisions say why (`assay report`, `assay why`)")
+    return AssayError(f"{given} holds no part-*.parquet shards")
+
+
 def _plain(given: str, absolute: Path, commit: str | None = None, *, modified: bool = False) -> DatasetVersion:
     if not absolute.is_dir():
         raise AssayError(f"{given} is not a directory")
     names = _shard_names(os.listdir(absolute))
     if not names:
-        raise AssayError(f"{given} holds no part-*.parquet shards")
+        raise _no_shards(given, absolute)
     data_hash, files = _untracked_digest(absolute, names)
     return DatasetVersion(given, None, commit, data_hash, False, names, modified=modified, _files=files)
 
@@ -188,7 +201,7 @@ def _workspace(given: str, absolute: Path, repo: Any, prefix: str, md5: str, com
     """
     names = _shard_names(os.listdir(absolute))
     if not names:
-        raise AssayError(f"{given} holds no part-*.parquet shards")
+        raise _no_shards(given, absolute)
     before = _file_ids(absolute, names)
     if not _as_dvc_recorded(repo, prefix):
         return _plain(given, absolute, commit, modified=True)

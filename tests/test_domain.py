@@ -381,3 +381,18 @@ def test_screen_verdicts_do_not_move_with_the_corpus():
     # The band's low edge is the corpus's 2nd percentile: it drops 2% of the corpus, whatever is there.
     assert band_recall[5] >= 0.4 and band_recall[60] < 0.1
     assert not screen_drops(np.array([80.0]), np.array([False]), params)[0].any()  # a language the model does not know
+
+
+def test_an_input_that_kept_nothing_gives_an_empty_output_and_training_names_why(tier3, tmp_path):
+    """The domain stage on a dataset whose stage kept no document; then the trainer's reader,
+    which needs documents, says that the dataset is empty by its stage's verdicts, not damaged."""
+    from assay.versions import open_version
+    from flows.domain import domain_flow
+    from flows.ingest import ingest_flow
+
+    (tmp_path / "bad.jsonl").write_text('{"text": ""}\n')
+    ingest_flow([str(tmp_path / "bad.jsonl")], str(tmp_path / "raw"))
+    manifest = domain_flow(str(tmp_path / "raw"), str(tmp_path / "domain"), params_file=str(tier3["params"]))
+    assert manifest["shards"] == [] and manifest["counts"]["units"] == 0
+    with pytest.raises(AssayError, match=r"domain holds no documents: its stage \(domain\) kept none of its input"):
+        open_version(tmp_path / "domain")

@@ -279,3 +279,30 @@ def test_an_input_republished_after_every_task_read_it_is_not_published(tier1, t
         flows.static.static_flow(str(source), str(out), overwrite=True, params_file=str(tier1["params"]))
     assert upstream.finished == upstream.n
     assert {p.name: p.read_bytes() for p in out.glob("part-*.parquet")} == before
+
+
+def test_a_stage_output_that_kept_nothing_feeds_the_next_stage(tier1, tmp_path):
+    """A dataset whose stage kept no document (its manifest lists no shard) was refused by the next
+    stage as "has no part-*.parquet shards", the message for a damaged dataset; it is an input like
+    any other: nothing to judge, an empty dataset out, and the chain goes on to its report."""
+    from flows.dedup import dedup_flow
+    from flows.ingest import ingest_flow
+    from flows.static import static_flow
+
+    (tmp_path / "bad.jsonl").write_text('{"text": ""}\n{"text": "   "}\n{"body": "no text"}\n')
+    raw = tmp_path / "raw"
+    assert ingest_flow([str(tmp_path / "bad.jsonl")], str(raw))["counts"]["documents"] == 0
+    previous = raw
+    for name, stage in (("static", static_flow), ("dedup", dedup_flow)):  # domain: tests/test_domain.py
+        manifest = stage(str(previous), str(tmp_path / name), params_file=str(tier1["params"]))
+        assert manifest["shards"] == [] and manifest["counts"]["units"] == 0, (name, manifest)
+        assert read_manifest_of(tmp_path / name)["stage"] == name
+        previous = tmp_path / name
+    # A folder with neither shards nor a manifest is still no dataset.
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(AssayError, match="not an Assay dataset"):
+        static_flow(str(tmp_path / "nothing"), str(tmp_path / "out"), params_file=str(tier1["params"]))
+
+
+def read_manifest_of(folder: Path) -> dict:
+    return json.loads((folder / MANIFEST).read_text())
