@@ -66,3 +66,22 @@ def why(doc_id: str, directories: list[str | Path]) -> list[dict[str, Any]]:
             story.append({"dataset": str(directory), "created_at": created, **row})
     story.sort(key=lambda r: (r["created_at"], r["dataset"]))
     return story
+
+
+def scores_behind(reason: str | None, scores: dict[str, float]) -> list[tuple[str, float]]:
+    """The scores a decision's reason rests on, the value and its threshold first.
+
+    Tier 2's are named by its filters (`filters.dynamic.evidence`: `dynamic:loss_high` rests on
+    `loss_z` and `loss_z_high_threshold`); another stage's are the keys that start with the reason,
+    else with its filter's name (`gopher_quality:`). Empty for a kept document.
+    """
+    from filters.dynamic import evidence
+
+    if not reason:
+        return []
+    named = evidence(reason)
+    if named:
+        return [(key, scores[key]) for key in named if key in scores]
+    group = reason.split(":", 1)[0] + ":"
+    return ([(k, v) for k, v in sorted(scores.items()) if k.startswith(reason)]
+            or [(k, v) for k, v in sorted(scores.items()) if k.startswith(group)])

@@ -35,7 +35,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.shards import DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, list_shards
+from assay.lineage import scores_behind
+from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, first_line,
+                          list_shards, open_shard)
 
 __all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "made_by",
            "measure_labelled_code", "require_stage_outputs", "why_stories"]
@@ -146,11 +148,24 @@ def require_stage_outputs(inputs: ReportInputs) -> None:
                              f"takes the {stage.name} stage's output, made by `{command}`")
 
 
+def _read(shard: Path, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
+    """One shard; damage (cut short, garbage pages or footer) is an error naming it, where
+    pyarrow's exception made `assay report` an internal error."""
+    try:
+        return pq.read_table(shard, columns=columns, filters=filters)
+    except (pa.ArrowException, OSError) as exc:
+        raise AssayError(f"{shard}: cannot be read as Parquet ({first_line(exc)})") from None
+
+
+def _column_names(shard: Path) -> list[str]:
+    return open_shard(shard, shard).schema_arrow.names
+
+
 def _decisions(directory: Path, columns: list[str]) -> pa.Table | None:
     shards = list_shards(directory / DECISIONS_DIR)
     if not shards:
         return None
-    return pa.concat_tables(pq.read_table(s, columns=columns) for s in shards)
+    return pa.concat_tables(_read(s, columns=columns) for s in shards)
 
 
 def _score(table: pa.Table, key: str) -> np.ndarray:
@@ -181,8 +196,8 @@ def _parquet_dir(directory: Path, columns: list[str] | None = None) -> pa.Table 
         return None
     tables = []
     for shard in shards:
-        names = pq.ParquetFile(shard).schema_arrow.names
-        tables.append(pq.read_table(shard, columns=[c for c in columns if c in names] if columns else None))
+        names = _column_names(shard)
+        tables.append(_read(shard, columns=[c for c in columns if c in names] if columns else None))
     return pa.concat_tables(tables, promote_options="default")
 
 
@@ -884,7 +899,7 @@ def why_stories(ids: list[str], datasets: list[Path]) -> dict[str, list[dict[str
     for directory in datasets:
         created = (_manifest(directory) or {}).get("created_at", "")
         for shard in list_shards(Path(directory) / DECISIONS_DIR):
-            table = pq.read_table(shard, filters=pc.field("id").isin(wanted))
+            table = _read(shard, filters=pc.field("id").isin(wanted))
             for row in table.to_pylist():
                 row["scores"] = dict(row["scores"]) if row["scores"] else {}
                 stories[row["id"]].append({"dataset": str(directory), "created_at": created, **row})
@@ -923,8 +938,8 @@ def _documents(directory: Path, ids: set[str], columns: list[str]) -> dict[str, 
         return found
     wanted = pa.array(sorted(ids), pa.string())
     for shard in list_shards(directory):
-        names = pq.ParquetFile(shard).schema_arrow.names
-        table = pq.read_table(shard, columns=[c for c in columns if c in names], filters=pc.field("id").isin(wanted))
+        names = _column_names(shard)
+        table = _read(shard, columns=[c for c in columns if c in names], filters=pc.field("id").isin(wanted))
         for row in table.to_pylist():
             found[row["id"]] = row
     return found
@@ -977,10 +992,8 @@ def _examples_section(inputs: ReportInputs, out: Path, per_reason: int) -> Secti
         document = rows_by_id.get(doc_id, {})
         raw = document.get("raw")  # quarantined input keeps its bytes, not a text
         preview = (document.get("text") or (raw[:160].decode("utf-8", errors="replace") if raw else ""))[:160]
-        # The score behind the reason, else its filter's scores; never an unrelated filter's.
-        behind = ([(k, v) for k, v in scores.items() if k.startswith(reason)]
-                  or [(k, v) for k, v in scores.items() if k.startswith(_group(reason) + ":")])
-        evidence = ", ".join(f"{k}={v:.4g}" for k, v in behind[:3])
+        # The scores behind the reason, value and threshold first; never an unrelated filter's.
+        evidence = ", ".join(f"{k}={v:.4g}" for k, v in scores_behind(reason, scores)[:3])
         if detail:
             evidence = f"{evidence}; {detail}" if evidence else detail
         where = f"{document.get('source', '?')}:{document.get('path', '?')}" if document else "-"

@@ -469,6 +469,34 @@ class NotLearningFilter:
         return _verdict(n, [(has & (drop < self.min_drop), f"{NAME}:not_learning")], scores)
 
 
+#: The score and threshold behind each reason that is not `dynamic:<signal>_high` or `_low`.
+_EVIDENCE = {
+    "non_finite": ("non_finite",),
+    "alignment": ("alignment", "alignment_threshold"),
+    "alignment_stratum_low": ("alignment_z", "alignment_z_low_threshold", "alignment"),
+    "alignment_stratum_high": ("alignment_z", "alignment_z_high_threshold", "alignment"),
+    "skipped_step": ("skipped_step_z", "skipped_step_z_threshold", "skipped_draws"),
+    "repeat_anomaly": ("anomalous_draws", "anomalous_draws_threshold"),
+    "not_learning": ("loss_drop", "loss_drop_threshold"),
+}
+
+
+def evidence(reason: str) -> tuple[str, ...]:
+    """The `scores` keys behind a tier-2 reason, the value and the threshold it crossed first:
+    `dynamic:loss_high` -> (`loss_z`, `loss_z_high_threshold`, `loss`). `assay why` and the
+    report show these first; a reason's text does not name its keys (`alignment_stratum_low` is
+    judged on `alignment_z`). Empty for another stage's reason."""
+    group, _, what = reason.partition(":")
+    if group != NAME or not what:
+        return ()
+    if what in _EVIDENCE:
+        return _EVIDENCE[what]
+    signal, _, side = what.rpartition("_")
+    if side in ("high", "low") and signal:  # StratumOutlierFilter's
+        return f"{signal}_z", f"{signal}_z_{side}_threshold", signal
+    return ()
+
+
 def judge(signals: pa.Table, filters: list) -> FilterResult:
     """The cascade over the whole signal table: a row's reason is the first filter's that drops it.
 

@@ -532,3 +532,36 @@ def test_planted_run_through_the_stage_drops_with_reasons(planted_round0):
         assert any(k.endswith("threshold") for k in scores)
     reference = [r for r in rows if r["detail"] == "reference set: never judged"]
     assert reference and all(r["kept"] for r in reference)
+
+
+def test_every_reason_names_the_scores_behind_it():
+    """`assay why` showed a tier-2 drop's scores alphabetically, and the report's examples none: they
+    looked for keys starting with the reason, which tier 2's keys do not (`dynamic:alignment_stratum_low`
+    is judged on `alignment_z`). `evidence` names them; each reason fired here must have them finite."""
+    from filters.dynamic import evidence
+
+    overrides = {"c3": {"alignment": -0.05}, "c4": {"alignment": 0.5}, "t2": {"loss": 9.0}, "t3": {"loss": 0.5},
+                 "c5": {"grad_norm": 9.0}, "t4": {"grad_norm": float("inf")}}
+    signals = document_signals(score_table(score_rows(overrides=overrides)), None)
+    telemetry = _steps({1: _batch(1, 6.0, stuck=6.0, twice=9.0), 2: _batch(2, twice=9.0), 10: _batch(10, bad=30.0),
+                        80: _batch(80, 3.0, stuck=6.2)}, skipped={10})
+    from_telemetry = document_signals(None, telemetry, min_gap=50)
+    cases = [(signals, NonFiniteFilter()), (signals, AlignmentFilter(0.0)), (signals, AlignmentFilter(None, 3.5, 3.5)),
+             (signals, StratumOutlierFilter("loss", 3.5, 3.5)), (signals, StratumOutlierFilter("grad_norm", 3.5, None)),
+             (from_telemetry, SkippedStepFilter(3.5)), (from_telemetry, RepeatAnomalyFilter(2)),
+             (from_telemetry, NotLearningFilter(0.0))]
+    fired = set()
+    for table, f in cases:
+        result = f.apply(table)
+        for i, reason in enumerate(result.reason):
+            if reason is None:
+                continue
+            fired.add(reason)
+            keys = evidence(reason)
+            assert keys, reason
+            for key in keys:
+                assert key in result.scores and np.isfinite(result.scores[key][i]), (reason, key)
+    assert fired >= {"dynamic:non_finite", "dynamic:alignment", "dynamic:alignment_stratum_low",
+                     "dynamic:alignment_stratum_high", "dynamic:loss_high", "dynamic:loss_low", "dynamic:grad_norm_high",
+                     "dynamic:skipped_step", "dynamic:repeat_anomaly", "dynamic:not_learning"}, fired
+    assert evidence("gopher_quality:word_count") == () and evidence("dynamic:") == ()

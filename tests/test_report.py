@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from assay.errors import AssayError
 from assay.report_html import CHART_CLASS, ReportInputs, build_report, duplicate_clusters, why_stories
 from assay.schema import DECISION_SCHEMA
 from corpus import tiny_pipeline_params
@@ -418,3 +419,53 @@ def test_a_stage_option_given_another_stages_output_is_refused(tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"assay: error: {raw}: a dataset made by stage 'ingest', not 'static'")
     assert not (tmp_path / "cli").exists()
+
+
+def test_a_tier2_example_shows_the_value_and_threshold_behind_its_reason(tmp_path):
+    """The examples' "scores / detail" cell looked for keys starting with the reason's text, which
+    tier 2's keys never do (`dynamic:alignment_stratum_low` rests on `alignment_z`): it was empty."""
+    from assay.report_html import ReportInputs, _examples_section
+
+    curated = tmp_path / "curated"
+    (curated / "decisions").mkdir(parents=True)
+    scores = [("alignment", 0.011), ("alignment_threshold", 0.0), ("alignment_z", -4.2),
+              ("alignment_z_low_threshold", -3.5), ("grad_norm_z", 0.3), ("loss_z", 1.2)]
+    pq.write_table(pa.table({"id": ["d1"], "stage": ["dynamic"], "kept": [False],
+                             "reason": ["dynamic:alignment_stratum_low"],
+                             "scores": pa.array([scores], DECISION_SCHEMA.field("scores").type),
+                             "detail": pa.nulls(1, pa.string())}, schema=DECISION_SCHEMA),
+                   curated / "decisions/part-00000.parquet")
+    missing = tmp_path / "missing"
+    inputs = ReportInputs(missing, missing, missing, missing, curated, missing, missing, missing, missing, tmp_path)
+    page = "".join(_examples_section(inputs, tmp_path / "report", 2).parts)
+    # The cell holds what the reason rests on, not another filter's scores (the story beside it has all).
+    assert "<td>alignment_z=-4.2, alignment_z_low_threshold=-3.5, alignment=0.011</td>" in page, page
+
+
+def test_why_shows_the_scores_behind_a_tier2_reason_first():
+    from assay.lineage import scores_behind
+
+    scores = {"alignment": 0.02, "alignment_threshold": 0.0, "loss": 9.1, "loss_z": 5.0, "loss_z_high_threshold": 3.5,
+              "loss_z_low_threshold": -3.5}
+    assert scores_behind("dynamic:loss_high", scores) == [("loss_z", 5.0), ("loss_z_high_threshold", 3.5), ("loss", 9.1)]
+    assert scores_behind("gopher_quality:word_count", {"gopher_quality:words": 3.0, "c4:lines": 1.0}) == [
+        ("gopher_quality:words", 3.0)]
+    assert scores_behind(None, scores) == []
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short"])
+def test_a_damaged_decisions_shard_is_an_error_that_names_it(tmp_path, damage):
+    """The page read decisions with plain pyarrow calls: a damaged shard made `assay report` an internal error."""
+    curated = tmp_path / "data/curated"
+    (curated / "decisions").mkdir(parents=True)
+    shard = curated / "decisions/part-00000.parquet"
+    pq.write_table(pa.table({"id": ["d1"], "stage": ["dynamic"], "kept": [False], "reason": ["dynamic:alignment"],
+                             "scores": pa.array([[("alignment", -0.1)]], DECISION_SCHEMA.field("scores").type),
+                             "detail": pa.nulls(1, pa.string())}, schema=DECISION_SCHEMA), shard)
+    data = shard.read_bytes()
+    shard.write_bytes(b"PAR1" + b"\x00garbage" * 40 + data[-300:] if damage == "garbage" else data[: len(data) // 2])
+    inputs = ReportInputs(*(tmp_path / p for p in ("data/raw", "data/static", "data/domain", "data/dedup", "data/curated",
+                                                  "runs/round-0", "runs/round-1", "models", "labelled.json")), repo=tmp_path)
+    with pytest.raises(AssayError, match=re.escape(str(shard))) as caught:
+        build_report(inputs, tmp_path / "reports")
+    assert "\n" not in str(caught.value)
