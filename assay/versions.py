@@ -48,6 +48,10 @@ class DatasetVersion:
     tracked: bool  # True when data_hash is DVC's: the bytes read are the ones DVC recorded
     shards: list[str] = field(default_factory=list)
     modified: bool = False  # tracked by DVC, but the workspace holds other bytes than it recorded
+    #: Whether `commit` records these bytes, so that `git checkout <commit> && dvc pull` gives them
+    #: back: a rev's data, or the workspace's when its dvc.lock / .dvc record is the one git committed.
+    #: False for untracked or modified data, and for a record `dvc repro` wrote after the last commit.
+    at_commit: bool = False
     _fs: Any = field(default=None, repr=False)  # DVCFileSystem, or None for plain files
     _prefix: str = field(default="", repr=False)  # path of the dataset inside the repo
     # Files on disk: each part's (device, inode) when the version was opened and identified. A
@@ -56,7 +60,8 @@ class DatasetVersion:
 
     def identity(self) -> dict:
         return {"path": self.path, "rev": self.rev, "commit": self.commit, "data_hash": self.data_hash,
-                "tracked": self.tracked, "modified_since_dvc": self.modified, "shards": len(self.shards)}
+                "tracked": self.tracked, "modified_since_dvc": self.modified, "commit_records_data": self.at_commit,
+                "shards": len(self.shards)}
 
     def iter_batches(self, columns: list[str] | None = None, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
         """Stream the documents' record batches, shard by shard, in name order."""
@@ -159,7 +164,8 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
-    return DatasetVersion(given, rev, commit, dvc_info["md5"], True, names, _fs=fs, _prefix=prefix)
+    return DatasetVersion(given, rev, commit, dvc_info["md5"], True, names, at_commit=commit is not None, _fs=fs,
+                          _prefix=prefix)
 
 
 def _commit(fs: Any, rev: str | None) -> str | None:
@@ -203,19 +209,23 @@ def _workspace(given: str, absolute: Path, repo: Any, prefix: str, md5: str, com
     if not names:
         raise _no_shards(given, absolute)
     before = _file_ids(absolute, names)
-    if not _as_dvc_recorded(repo, prefix):
+    recorded, in_commit = _as_dvc_recorded(repo, prefix)
+    if not recorded:
         return _plain(given, absolute, commit, modified=True)
     if _shard_names(os.listdir(absolute)) != names or _file_ids(absolute, names) != before:
         raise AssayError(f"{given} was replaced while it was being opened (a stage published a new version); rerun")
-    return DatasetVersion(given, None, commit, md5, True, names, _files=before)
+    return DatasetVersion(given, None, commit, md5, True, names, at_commit=in_commit and commit is not None,
+                          _files=before)
 
 
 def _file_ids(directory: Path, names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: _file_id(directory / name) for name in names}
 
 
-def _as_dvc_recorded(repo: Any, prefix: str) -> bool:
-    """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it.
+def _as_dvc_recorded(repo: Any, prefix: str) -> tuple[bool, bool]:
+    """Whether DVC's data status finds the workspace's `prefix` as dvc.lock or its .dvc file records it,
+    and whether that record is the one git's HEAD holds (DVC's "committed" changes are those recorded
+    since: `dvc repro` or `dvc add` without `git commit`).
 
     `repo` is the workspace's DVC repository, the one `open_version`'s filesystem already loaded.
     Its index (dvc.lock and the .dvc files) is cached from that load, so the status compares the
@@ -231,6 +241,8 @@ def _as_dvc_recorded(repo: Any, prefix: str) -> bool:
         return entry == prefix or entry.startswith(prefix + "/") or prefix.startswith(entry + "/")
 
     if any(under(e) for entries in status["uncommitted"].values() for e in entries):
-        return False
-    seen = [*status["unchanged"], *status["not_in_cache"], *(e for es in status["committed"].values() for e in es)]
-    return any(under(e) for e in seen)  # not named at all: DVC did not judge it, so it is not taken as recorded
+        return False, False
+    since_head = [e for es in status["committed"].values() for e in es]
+    seen = [*status["unchanged"], *status["not_in_cache"], *since_head]
+    # Not named at all: DVC did not judge it, so it is not taken as recorded.
+    return any(under(e) for e in seen), not any(under(e) for e in since_head)

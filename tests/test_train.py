@@ -598,3 +598,34 @@ def test_losses_only_telemetry_agrees_with_the_ghost_path(stdlib_data, tmp_path)
     step1 = [(a["loss"], b["loss"]) for a, b in zip(with_norms, without) if a["step"] == 1]
     np.testing.assert_allclose(*zip(*step1), rtol=1e-5)  # same model, same batch: same per-document losses
     assert ghost.metrics["steps"] == off.metrics["steps"] == 2
+
+
+def test_a_version_says_whether_its_commit_records_its_data(tmp_path):
+    """The exported model card told users to `git checkout <commit> && dvc pull` the data; the commit
+    was HEAD when training, whose dvc.lock need not hold it (a `dvc repro` not yet committed)."""
+    from training.export import _reproduce
+
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
+    data = repo / "data/ds"
+    write_documents(data, stdlib_documents(6), source="v1")
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "v1"], repo, env)
+    committed = open_version(data).identity()
+    assert committed["tracked"] and committed["commit_records_data"]
+    assert "git checkout <commit> && dvc pull" in _reproduce(committed)
+
+    shutil.rmtree(data)
+    write_documents(data, stdlib_documents(6, offset=6), source="v2")
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)  # recorded by DVC, not committed to git
+    recorded = open_version(data).identity()
+    assert recorded["tracked"] and not recorded["modified_since_dvc"] and not recorded["commit_records_data"]
+    assert "does not hold this data (DVC recorded it after that commit" in _reproduce(recorded)
+    assert open_version(data, rev="HEAD").identity()["commit_records_data"]  # a rev's data is its commit's
+
+    (data / "part-00000.parquet").write_bytes((data / "part-00000.parquet").read_bytes() + b"x")
+    assert not open_version(data).identity()["commit_records_data"]
+    plain = tmp_path / "plain"
+    write_documents(plain, stdlib_documents(3), source="p")
+    untracked = open_version(plain).identity()
+    assert not untracked["commit_records_data"] and "untracked data" in _reproduce(untracked)

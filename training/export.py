@@ -205,6 +205,18 @@ def _hash_kind(data: dict) -> str:
     return "untracked directory"
 
 
+def _reproduce(data: dict) -> str:
+    """How to get the data back; a commit is named only where its dvc.lock or .dvc file records these bytes."""
+    if data.get("commit_records_data") is False:
+        why = ("untracked data: no commit records it" if not data.get("tracked") and not data.get("modified_since_dvc")
+               else "the workspace held other bytes than DVC recorded" if data.get("modified_since_dvc")
+               else "DVC recorded it after that commit (dvc.lock or the .dvc file was not committed yet)")
+        return (f"Commit `{data.get('commit')}` does not hold this data ({why}); only the hash above names it. "
+                "Track it with DVC and commit its record to make it a version others can check out.")
+    return ("Reproduce the data: `git checkout <commit> && dvc pull`, or read it in place with "
+            f"`assay train --data {data.get('path')} --rev <commit>`.")
+
+
 def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dict) -> str:
     args, data = model.args, provenance["data"]
     version = data.get("rev") or "the workspace (no --rev)"
@@ -218,8 +230,7 @@ def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dic
         f"- path: `{data.get('path')}`",
         f"- rev: `{version}`, commit `{data.get('commit')}`",
         f"- DVC hash: `{data.get('data_hash')}` ({_hash_kind(data)})",
-        "", "Reproduce the data: `git checkout <commit> && dvc pull`, or read it in place with "
-        f"`assay train --data {data.get('path')} --rev <commit>`.", "",
+        "", _reproduce(data), "",
         "## Architecture", "",
         f"{args.n_layers} layers, hidden {args.dim}, {args.n_heads} heads, SwiGLU {args.ffn_hidden}, "
         f"vocabulary {args.vocab_size} (byte-level BPE), context {args.max_seq_len}, RoPE theta {args.rope_theta}.",
