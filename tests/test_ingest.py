@@ -1082,3 +1082,57 @@ def test_the_id_hash_reads_arrows_buffers_as_python_reads_the_strings():
     hashes = _hashes(chunks).tolist()
     assert len(hashes) == len(ids)
     assert [hashes.index(h) for h in hashes] == [ids.index(i) for i in ids]  # equal exactly where the ids are
+
+
+@needs_flow
+def test_symlinked_directories_are_skipped_and_counted_never_walked_twice_nor_in_a_loop(tmp_path):
+    """A symlinked directory vanished silently: os.walk does not descend into it, and the walk neither
+    counted it nor said so. One leading out of the root is now counted as a file link leading out is;
+    one inside the root is counted and not walked (its files are ingested under their own paths, so
+    walking it would give each a second id, and a link to an ancestor would never end); a broken one
+    is a broken link, quarantined. A root holding nothing but such links still reports them."""
+    root = tmp_path / "repo"
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text("x = 1\n")
+    (root / "pkg" / "sub" / "deep.txt").write_text("a text file deep in the tree\n")
+    (root / "node_modules").mkdir()
+    (root / "node_modules" / "index.js").write_text("module.exports = 1;\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("outside the root\n")
+    (root / "out").symlink_to(elsewhere)                  # leaves the root
+    (root / "rel-out").symlink_to("../elsewhere")         # leaves it by a relative link
+    (root / "up").symlink_to(tmp_path)                    # an ancestor of the root
+    (root / "pkg" / "sub" / "loop").symlink_to(root)      # the root itself: a walk that never ends
+    (root / "pkg-again").symlink_to("pkg")                # inside: pkg's files a second time
+    (root / "vendored").symlink_to(root / "node_modules")  # inside, into a skipped dir
+    (root / "gone").symlink_to(tmp_path / "missing-dir")  # broken
+    out = tmp_path / "raw"
+    manifest = ingest([root], out)
+    assert sorted(d["path"] for d in documents(out)) == ["pkg/mod.py", "pkg/sub/deep.txt"]
+    assert {p: r["reason"] for p, r in quarantine(out).items()} == {"gone": "invalid:io"}
+    assert manifest["counts"]["skipped"] == {"symlink_outside_root": 3, "symlink_dir_inside_root": 3,
+                                             "skipped_dir": 1}
+
+    only_links = tmp_path / "links"
+    only_links.mkdir()
+    (only_links / "data").symlink_to(elsewhere)
+    manifest = ingest([only_links], tmp_path / "raw-links")
+    assert manifest["counts"]["documents"] == manifest["counts"]["input_records"] == 0
+    assert manifest["counts"]["skipped"] == {"symlink_outside_root": 1}
+
+
+def test_a_symlinked_directory_is_counted_at_planning(tmp_path):
+    from assay.ingest.plan import IngestOptions, plan, walk_directory
+
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "f.txt").write_text("text\n")
+    (root / "a" / "back").symlink_to("..")
+    (root / "b").symlink_to(tmp_path)
+    entries, skipped = walk_directory(root, "root", ())
+    assert [e.locator for e in entries] == ["a/f.txt"]
+    assert skipped == {"symlink_outside_root": 1, "symlink_dir_inside_root": 1, "skipped_dir": 0}
+    (root / "a" / "f.txt").unlink()
+    units = plan([str(root)], IngestOptions())
+    assert [(u.files, u.skipped) for u in units] == [((), skipped)]

@@ -128,15 +128,32 @@ def printable_name(name: str) -> str:
 
 
 def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple[list[FileEntry], dict[str, int]]:
-    """Every file under `root`, sorted, without skipped dirs or escaping symlinks."""
+    """Every file under `root`, sorted, without skipped dirs or escaping symlinks.
+
+    A symlinked file is read through its link (under the link's path) unless it leads out of
+    the root. A symlinked directory is never walked, and is counted: one leading out of the root
+    as a file link is (`symlink_outside_root`); one inside it (`symlink_dir_inside_root`) because
+    its files are walked under their own paths already (or lie in a skipped dir), so walking
+    them again would ingest each one twice under a second id, and a link to an ancestor would
+    never end. A broken link is not known to be a directory's: it is a file, quarantined.
+    """
     real_root = root.resolve()
     entries: list[FileEntry] = []
-    skipped = {"symlink_outside_root": 0, "skipped_dir": 0}
+    skipped = {"symlink_outside_root": 0, "symlink_dir_inside_root": 0, "skipped_dir": 0}
     skip = set(skip_dirs)
     for folder, dirs, files in os.walk(root, followlinks=False):
-        kept_dirs = sorted(d for d in dirs if d not in skip)
-        skipped["skipped_dir"] += len(dirs) - len(kept_dirs)
-        dirs[:] = kept_dirs  # os.walk does not descend into symlinked dirs either
+        kept_dirs = []
+        for name in sorted(dirs):
+            if name in skip:
+                skipped["skipped_dir"] += 1
+                continue
+            path = Path(folder, name)
+            if path.is_symlink():  # os.walk lists a link to a directory among the dirs, and does not descend
+                inside = Path(os.path.realpath(path)).is_relative_to(real_root)
+                skipped["symlink_dir_inside_root" if inside else "symlink_outside_root"] += 1
+                continue
+            kept_dirs.append(name)
+        dirs[:] = kept_dirs
         for name in sorted(files):
             path = Path(folder, name)
             if path.is_symlink():
@@ -224,6 +241,8 @@ def plan(sources: list[str], options: IngestOptions, *, demo_params=None) -> lis
             grouped = group_files(entries, "files", source, options.unit_bytes)
             if grouped:
                 grouped[0] = Unit(**{**grouped[0].__dict__, "skipped": skipped})
+            elif any(skipped.values()):  # nothing to read, but what was passed over is still counted
+                grouped = [Unit(kind="files", source=source, skipped=skipped)]
             units.extend(grouped)
             named.append((spec, grouped))
             continue
