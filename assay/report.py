@@ -6,9 +6,11 @@ import json
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
+
+from assay.lineage import scores_behind
 
 console = Console()
 #: Wider than any table: the width a table is measured at for its natural width.
@@ -55,12 +57,12 @@ def ingest_summary(manifest: dict[str, Any]) -> None:
     table.add_row("input records", f"{counts['input_records']:,}")
     table.add_row("documents kept", f"{counts['documents']:,}")
     for kind, n in counts.get("by_kind", {}).items():
-        table.add_row(f"  kind={kind}", f"{n:,}")
+        table.add_row(Text(f"  kind={kind}"), f"{n:,}")
     table.add_row("quarantined", f"{counts['quarantined']:,}")
     for reason, n in counts.get("by_reason", {}).items():
-        table.add_row(f"  {reason}", f"{n:,}")
+        table.add_row(Text(f"  {reason}"), f"{n:,}")
     for what, n in counts.get("skipped", {}).items():
-        table.add_row(f"skipped: {what}", f"{n:,}")
+        table.add_row(Text(f"skipped: {what}"), f"{n:,}")
     table.add_row("bytes in / out", f"{_size(counts['bytes_in'])} / {_size(counts['bytes_out'])}")
     if timings.get("seconds"):
         table.add_row("time", f"{timings['seconds']:.1f} s ({timings.get('docs_per_second')} docs/s, {timings.get('mb_per_second')} MB/s)")
@@ -70,48 +72,57 @@ def ingest_summary(manifest: dict[str, Any]) -> None:
 
 
 def stats_table(stats: dict[str, Any]) -> None:
-    console.print(
-        f"[bold]{stats['dataset']}[/]: {stats['documents']:,} documents, {_size(stats['bytes'])}, "
+    console.print(_line(
+        (str(stats["dataset"]), "bold"), f": {stats['documents']:,} documents, {_size(stats['bytes'])}, "
         f"~{stats['tokens']:,} tokens" + (f", {stats['quarantined']:,} quarantined" if stats.get("quarantined") else "")
-    )
+    ))
     for key in ("kind", "lang", "source"):
         rows = stats[f"by_{key}"]
         table = Table(title=f"by {key}" + (f" (top 30 of {len(rows)})" if len(rows) > 30 else ""))
         for column in (key, "documents", "bytes", "~tokens"):
             table.add_column(column, justify="left" if column == key else "right")
         for row in rows[:30]:
-            table.add_row(str(row[key]), f"{row['documents']:,}", _size(row["bytes"]), f"{row['tokens']:,}")
+            table.add_row(Text(str(row[key])), f"{row['documents']:,}", _size(row["bytes"]), f"{row['tokens']:,}")
         console.print(table)
+
+
+def _line(*parts: str | tuple[str, str], highlight: bool = True) -> Text:
+    """One printed line of plain text and (text, style) parts, each taken literally: ids, paths,
+    details and texts are the user's data, and as console markup a `[/]` in them was a MarkupError,
+    a `[bold]` a style, a `:smile:` an emoji (and `rich.markup.escape` doubles a trailing backslash).
+    `highlight` colours numbers and brackets as `console.print` does a str by default."""
+    text = Text.assemble(*parts)
+    return console.highlighter(text) if highlight else text
 
 
 def document(row: dict[str, Any], full: bool) -> None:
     for key, value in row.items():
         if key in ("text", "raw_preview"):
             continue
-        console.print(f"[bold]{key}[/]: {value}", highlight=False, markup=True)
+        console.print(_line((key, "bold"), f": {value}", highlight=False))
     text = row.get("text") or row.get("raw_preview") or ""
     if text:
         shown = text if full or len(text) <= 2000 else text[:2000] + f"\n… ({len(text) - 2000:,} more characters; --full shows all)"
         console.rule("text" if "text" in row else "raw (preview)")
-        console.print(shown, markup=False, highlight=False)
+        console.print(Text(shown))
 
 
 def story(doc_id: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
-        console.print(f"no decisions about {doc_id} in the given datasets")
+        console.print(_line(f"no decisions about {doc_id} in the given datasets"))
         return
-    console.print(f"[bold]why {doc_id}[/] ({len(rows)} decision(s), oldest first)")
+    console.print(_line((f"why {doc_id}", "bold"), f" ({len(rows)} decision(s), oldest first)"))
     for row in rows:
-        verdict = "[green]kept[/]" if row["kept"] else f"[red]dropped[/] [bold]{row['reason']}[/]"
-        console.print(f"• {row['stage']} ({row['dataset']}): {verdict}")
+        verdict = [("kept", "green")] if row["kept"] else [("dropped", "red"), " ", (str(row["reason"]), "bold")]
+        console.print(_line(f"• {row['stage']} ({row['dataset']}): ", *verdict))
         if row.get("detail"):
-            console.print(f"    detail: {row['detail']}", markup=False, highlight=False)
+            console.print(Text(f"    detail: {row['detail']}"))
         scores = row.get("scores") or {}
         if scores:
-            # The score behind the reason first, then the rest, grouped by filter.
-            reason = row.get("reason") or ""
-            ordered = sorted(scores.items(), key=lambda kv: (not kv[0].startswith(reason) if reason else True, kv[0]))
-            console.print("    scores: " + ", ".join(f"{k}={v:.4g}" for k, v in ordered), markup=False, highlight=False)
+            # What the reason rests on first (the value, then its threshold), then the rest by name.
+            behind = scores_behind(row.get("reason"), scores)
+            ordered = behind + sorted(kv for kv in scores.items() if kv not in behind)
+            console.print(Text("    scores: " + ", ".join(f"{k}={v:.4g}" for k, v in ordered)))
 
 
 def as_json(obj: Any) -> None:
@@ -188,9 +199,9 @@ def hits(rows, json_output: bool, exact: bool) -> None:
     whole_column(table, "doc_id")
     for column in ("source", "status", "path"):
         table.add_column(column)
-    for h in data:  # escaped: an id from the input ("[b]x") is text, not rich markup
-        table.add_row(f"{h['score']:.4f}", escape(h["doc_id"]), escape(str(h["source"])), escape(str(h["status"])),
-                      escape(str(h.get("path", ""))))
+    for h in data:  # Text: an id from the input ("[b]x") is text, not rich markup
+        table.add_row(f"{h['score']:.4f}", Text(h["doc_id"]), Text(str(h["source"])), Text(str(h["status"])),
+                      Text(str(h.get("path", ""))))
     print_table(table)
 
 
@@ -199,17 +210,17 @@ def clusters(doc_id: str, result: dict, json_output: bool) -> None:
         as_json({"doc_id": doc_id, "clusters": result})
         return
     if not result:
-        console.print(f"{doc_id} is in no duplicate cluster")
+        console.print(_line(f"{doc_id} is in no duplicate cluster"))
     for cluster_id, members in result.items():
-        table = Table(title=escape(f"cluster {cluster_id} ({len(members)} members)"))
+        table = Table(title=Text(f"cluster {cluster_id} ({len(members)} members)"))
         whole_column(table, "doc_id")
         table.add_column("status")
         whole_column(table, "duplicate_of")
         for column in ("source", "path"):
             table.add_column(column)
         for m in members:
-            table.add_row(escape(m.get("doc_id", "")), escape(str(m.get("status"))),
-                          escape(str(m.get("duplicate_of") or "")), escape(str(m.get("source"))), escape(str(m.get("path"))))
+            table.add_row(Text(m.get("doc_id", "")), Text(str(m.get("status"))),
+                          Text(str(m.get("duplicate_of") or "")), Text(str(m.get("source"))), Text(str(m.get("path"))))
         print_table(table)
 
 
@@ -219,13 +230,13 @@ def versions(found, repo) -> None:
         print("no dataset versions yet: no commit changed a data/ output in dvc.lock or a .dvc file")
         return
     paths = list(dict.fromkeys(o["path"] for v in found for o in v.outputs))
-    table = Table(title=escape(f"dataset versions in {repo}"))
+    table = Table(title=Text(f"dataset versions in {repo}"))
     whole_column(table, "commit")  # the short hash `assay diff` and git take
     table.add_column("date (UTC)")
     table.add_column("tags", overflow="fold")  # wrapped between tags, each whole
     table.add_column("message")
     for path in paths:
-        whole_column(table, escape(path.removeprefix("data/")), justify="right")
+        whole_column(table, Text(path.removeprefix("data/")), justify="right")
     errors = []
     for version in found:
         by_path = {o["path"]: o for o in version.outputs}
@@ -239,8 +250,8 @@ def versions(found, repo) -> None:
             cells.append(f"[bold]{count}[/]" if path in version.changed else count)
             if out.get("error"):
                 errors.append(out["error"])
-        table.add_row(version.commit[:8], version.date[:16].replace("T", " "), escape(", ".join(version.tags)),
-                      escape(version.subject[:50]), *cells)
+        table.add_row(version.commit[:8], version.date[:16].replace("T", " "), Text(", ".join(version.tags)),
+                      Text(version.subject[:50]), *cells)
     print_table(table)
     console.print("bold: changed at that commit", style="dim")
     for error in dict.fromkeys(errors):
@@ -256,7 +267,7 @@ def overlap(rows, json_output: bool) -> None:
     for column in ("source", "source", "shared clusters"):
         table.add_column(column)
     for row in data:
-        table.add_row(row["source_a"], row["source_b"], f"{row['shared_clusters']:,}")
+        table.add_row(Text(str(row["source_a"])), Text(str(row["source_b"])), f"{row['shared_clusters']:,}")
     console.print(table if data else "no two sources share a duplicate cluster")
 
 
@@ -264,10 +275,11 @@ def graph_node(node: dict, json_output: bool) -> None:
     if json_output:
         as_json(node)
         return
-    console.print(f"[bold]{node['doc_id']}[/]  status: {node.get('status')}  source: {node.get('source')}  path: {node.get('path')}")
+    console.print(_line((str(node["doc_id"]), "bold"),
+                        f"  status: {node.get('status')}  source: {node.get('source')}  path: {node.get('path')}"))
     if node.get("duplicate_of"):
-        console.print(f"  duplicate of: {node['duplicate_of']}")
+        console.print(_line(f"  duplicate of: {node['duplicate_of']}"))
     for c in node.get("clusters", []):
-        console.print(f"  in cluster: {c}")
+        console.print(_line(f"  in cluster: {c}"))
     for d in node.get("duplicated_by", []):
-        console.print(f"  duplicated by: {d}")
+        console.print(_line(f"  duplicated by: {d}"))

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 def wait_with_progress(futures: Sequence[PrefectFuture], description: str) -> list:
     """Results in submission order; raises the first task failure."""
     console = Console(file=sys.stderr)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False, disable=not futures) as progress:
         bar = progress.add_task(description, total=len(futures))
         for future in as_completed(list(futures)):

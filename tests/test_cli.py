@@ -260,3 +260,80 @@ def test_a_users_error_inside_a_flow_is_one_line_without_prefects_error_log(inge
     said = [line for line in lines if "no trained quality head" in line]
     assert len(said) == 1 and said[0].startswith("assay: error:"), lines
     assert not [line for line in lines if "ERROR" in line or "Traceback" in line], lines
+
+
+#: An id, a path and a text that are console markup (a closing tag with nothing to close, a style, an
+#: emoji code) and end in a backslash, which `rich.markup.escape` would double.
+MARKUP_ID = "x[/]y[bold]z:smile:\\"
+MARKUP_TEXT = "Some [red]words[/] and :smile: in a [bold]text[/], ending in a backslash \\"
+
+
+def _wide(*args) -> list[str]:
+    """`assay ARGS`'s output lines, at 1,000 columns: off a terminal rich wraps at 80."""
+    import os
+
+    proc = subprocess.run([ASSAY, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "1000"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def test_show_and_why_print_ids_texts_and_details_that_look_like_markup_literally(tmp_path):
+    """`assay show` of an id holding `[/]` was an internal error (rich's MarkupError, rc 2); `why` printed
+    `x[/]y[bold]z` as `xyz`, in bold; `:smile:` in a text became an emoji. They are the user's data."""
+    source = tmp_path / "h[bold]ostile.jsonl"
+    source.write_text(json.dumps({"id": MARKUP_ID, "text": MARKUP_TEXT, "path": "p[bold]q[/]"}) + "\n"
+                      + json.dumps({"id": MARKUP_ID, "text": "a later record under that id"}) + "\n")
+    out = tmp_path / "raw[bold]"
+    run("ingest", source, "--out", out)
+
+    shown = _wide("show", MARKUP_ID, "--data", out)
+    assert f"id: {MARKUP_ID}" in shown and "path: p[bold]q[/]" in shown and "source: h[bold]ostile.jsonl" in shown
+    assert MARKUP_TEXT in shown, shown
+
+    story = _wide("why", MARKUP_ID, "--data", out)
+    assert story[0] == f"why {MARKUP_ID} (2 decision(s), oldest first)", story
+    assert story[1] == f"• ingest ({out}): kept", story
+    assert story[2] == f"• ingest ({out}): dropped invalid:duplicate_id", story
+    assert story[3] == f"    detail: line 2: id {MARKUP_ID!r} is an earlier record's in this file, which keeps it", story
+
+    missing = run("why", "no[/]such[bold]id", "--data", out, check=False)
+    assert missing.returncode == 1 and missing.stdout == "no decisions about no[/]such[bold]id in the given datasets\n"
+
+
+def test_graph_prints_ids_that_look_like_markup_literally(tmp_path):
+    """`assay graph` printed ids, paths and cluster ids through console markup: `[/]` was rc 2."""
+    import numpy as np
+
+    from assay.config import load_params
+    from assay.vectors import ClusterRecord, DocumentRecord, open_store
+    from corpus import write_documents
+
+    other, cluster = "w[/]v[bold]", "c[/]1[red]"
+    data = write_documents(tmp_path / "dedup", [("a", "alpha text"), ("b", "beta text")])
+    with open_store(load_params(None).vectors, data) as store:
+        store.upsert_documents([
+            DocumentRecord(MARKUP_ID, np.array([1, 0, 0, 0.1], np.float32), source="s[bold]", status="kept",
+                           path="p[/]:smile:", clusters=[cluster]),
+            DocumentRecord(other, np.array([1, 0, 0.1, 0], np.float32), source="s[bold]", status="near_dup",
+                           path="q[bold]", clusters=[cluster], duplicate_of=MARKUP_ID)])
+        store.upsert_clusters([ClusterRecord(cluster, "near", [MARKUP_ID, other])])
+    node = _wide("graph", MARKUP_ID, "--data", data)
+    assert node == [f"{MARKUP_ID}  status: kept  source: s[bold]  path: p[/]:smile:",
+                    f"  in cluster: {cluster} (near, 2 members)",
+                    f"  duplicated by: {other}"], node
+    node = _wide("graph", other, "--data", data)
+    assert node[:2] == [f"{other}  status: near_dup  source: s[bold]  path: q[bold]", f"  duplicate of: {MARKUP_ID}"], node
+
+
+def test_ingest_and_stats_print_kinds_languages_and_sources_that_look_like_markup_literally(tmp_path):
+    """A JSONL `"kind": "[/]"` ended `assay ingest` in rc 2 after the dataset was written (the summary's
+    `kind=[/]` row was a MarkupError), and `assay stats` failed on that dataset the same way."""
+    source = tmp_path / "s[bold]rc.jsonl"
+    source.write_text(json.dumps({"id": "a", "text": "Some text here.", "kind": "[/]", "lang": "[bold]x"}) + "\n")
+    out = tmp_path / "raw"
+    summary = _wide("ingest", source, "--out", out)
+    assert any("kind=[/]" in line for line in summary), summary
+    stats = _wide("stats", out)
+    assert any(line.startswith(f"{out}: 1 documents") for line in stats), stats
+    assert any("[bold]x" in line for line in stats) and any("s[bold]rc.jsonl" in line for line in stats), stats

@@ -469,3 +469,17 @@ def test_a_damaged_decisions_shard_is_an_error_that_names_it(tmp_path, damage):
     with pytest.raises(AssayError, match=re.escape(str(shard))) as caught:
         build_report(inputs, tmp_path / "reports")
     assert "\n" not in str(caught.value)
+
+
+def test_the_why_story_prints_what_a_tier2_reason_rests_on_first():
+    """`assay why` printed a tier-2 drop's scores by name, the value behind its reason lost among a dozen."""
+    from assay import report
+
+    rows = [{"stage": "dynamic", "dataset": "data/curated", "kept": False, "reason": "dynamic:loss_high",
+             "detail": None, "scores": {"alignment": 0.02, "alignment_threshold": 0.0, "loss": 9.1, "loss_z": 5.0,
+                                        "loss_z_high_threshold": 3.5, "loss_z_low_threshold": -3.5}}]
+    with report.console.capture() as captured:
+        report.story("d1", rows)
+    printed = " ".join(captured.get().split())  # as one line, whatever the console's width
+    assert ("scores: loss_z=5, loss_z_high_threshold=3.5, loss=9.1, alignment=0.02, alignment_threshold=0, "
+            "loss_z_low_threshold=-3.5") in printed, printed
