@@ -63,7 +63,8 @@ class _OneLineErrors(logging.Filter):
                 return False
             record.exc_info = None
             record.exc_text = None
-        elif record.name.startswith("prefect.") and "in state Failed" in str(record.msg) and "AssayError" in record.getMessage():
+        elif (record.name.startswith("prefect.") and "in state Failed" in str(record.msg)
+              and "AssayError" in record.getMessage()):
             return False
         return True
 

@@ -123,9 +123,9 @@ class Sink:
             if not keep[-1]:
                 row = batch.slice(i, 1).to_pylist()[0]
                 row["meta"] = json.loads(row["meta"])
-                name = (where(i) if where else None) or row["path"]
+                record = (where(i) if where else None) or row["path"]
                 values = (doc_id, row["source"], row["path"], INVALID_DUPLICATE_ID,
-                          f"{name}: id {doc_id!r} is an earlier record's in this file, which keeps it",
+                          f"{record}: id {doc_id!r} is an earlier record's in this file, which keeps it",
                           json.dumps(row, ensure_ascii=False).encode("utf-8"))
                 for name, value in zip(QUARANTINE_SCHEMA.names, values):
                     self._bad[name].append(value)
