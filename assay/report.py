@@ -95,34 +95,41 @@ def _line(*parts: str | tuple[str, str], highlight: bool = True) -> Text:
     return console.highlighter(text) if highlight else text
 
 
+def _say(line: Text) -> None:
+    """Print one line of `show`, `why` or `graph`. Off a terminal (a pipe, a file, a script) it is
+    not wrapped: rich wrapped at 80 columns, and an id or path broken across two lines defeats
+    grep and copying it into `assay why`. On a terminal rich wraps it to fit, as before."""
+    console.print(line, soft_wrap=not console.is_terminal)
+
+
 def document(row: dict[str, Any], full: bool) -> None:
     for key, value in row.items():
         if key in ("text", "raw_preview"):
             continue
-        console.print(_line((key, "bold"), f": {value}", highlight=False))
+        _say(_line((key, "bold"), f": {value}", highlight=False))
     text = row.get("text") or row.get("raw_preview") or ""
     if text:
         shown = text if full or len(text) <= 2000 else text[:2000] + f"\n… ({len(text) - 2000:,} more characters; --full shows all)"
         console.rule("text" if "text" in row else "raw (preview)")
-        console.print(Text(shown))
+        _say(Text(shown))
 
 
 def story(doc_id: str, rows: list[dict[str, Any]]) -> None:
     if not rows:
-        console.print(_line(f"no decisions about {doc_id} in the given datasets"))
+        _say(_line(f"no decisions about {doc_id} in the given datasets"))
         return
-    console.print(_line((f"why {doc_id}", "bold"), f" ({len(rows)} decision(s), oldest first)"))
+    _say(_line((f"why {doc_id}", "bold"), f" ({len(rows)} decision(s), oldest first)"))
     for row in rows:
         verdict = [("kept", "green")] if row["kept"] else [("dropped", "red"), " ", (str(row["reason"]), "bold")]
-        console.print(_line(f"• {row['stage']} ({row['dataset']}): ", *verdict))
+        _say(_line(f"• {row['stage']} ({row['dataset']}): ", *verdict))
         if row.get("detail"):
-            console.print(Text(f"    detail: {row['detail']}"))
+            _say(Text(f"    detail: {row['detail']}"))
         scores = row.get("scores") or {}
         if scores:
             # What the reason rests on first (the value, then its threshold), then the rest by name.
             behind = scores_behind(row.get("reason"), scores)
             ordered = behind + sorted(kv for kv in scores.items() if kv not in behind)
-            console.print(Text("    scores: " + ", ".join(f"{k}={v:.4g}" for k, v in ordered)))
+            _say(Text("    scores: " + ", ".join(f"{k}={v:.4g}" for k, v in ordered)))
 
 
 def as_json(obj: Any) -> None:
@@ -275,11 +282,11 @@ def graph_node(node: dict, json_output: bool) -> None:
     if json_output:
         as_json(node)
         return
-    console.print(_line((str(node["doc_id"]), "bold"),
-                        f"  status: {node.get('status')}  source: {node.get('source')}  path: {node.get('path')}"))
+    _say(_line((str(node["doc_id"]), "bold"),
+               f"  status: {node.get('status')}  source: {node.get('source')}  path: {node.get('path')}"))
     if node.get("duplicate_of"):
-        console.print(_line(f"  duplicate of: {node['duplicate_of']}"))
+        _say(_line(f"  duplicate of: {node['duplicate_of']}"))
     for c in node.get("clusters", []):
-        console.print(_line(f"  in cluster: {c}"))
+        _say(_line(f"  in cluster: {c}"))
     for d in node.get("duplicated_by", []):
-        console.print(_line(f"  duplicated by: {d}"))
+        _say(_line(f"  duplicated by: {d}"))

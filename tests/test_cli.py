@@ -337,3 +337,24 @@ def test_ingest_and_stats_print_kinds_languages_and_sources_that_look_like_marku
     stats = _wide("stats", out)
     assert any(line.startswith(f"{out}: 1 documents") for line in stats), stats
     assert any("[bold]x" in line for line in stats) and any("s[bold]rc.jsonl" in line for line in stats), stats
+
+
+def test_show_and_why_keep_each_line_whole_off_a_terminal(tmp_path):
+    """Off a terminal rich wrapped `show` and `why` at 80 columns: a long id or path broke across two
+    lines, which defeats grep and pasting it into `assay why`; a document's own lines were re-wrapped."""
+    import os
+
+    long_id = "corpus/" + "deeply-nested/" * 10 + "file.py"
+    text = "A line of the document that runs on well past eighty columns, " * 3 + "and ends here."
+    source = tmp_path / "long.jsonl"
+    source.write_text(json.dumps({"id": long_id, "text": text, "path": long_id}) + "\n")
+    run("ingest", source, "--out", tmp_path / "raw")
+    env = {**os.environ, "COLUMNS": "80"}
+    for args in (["why", long_id], ["show", long_id]):
+        proc = subprocess.run([ASSAY, *args, "--data", str(tmp_path / "raw")], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stdout.splitlines()
+        assert any(long_id in line for line in lines), lines
+        if args[0] == "show":
+            assert text in lines, lines  # the document's own line, not re-wrapped
