@@ -5,14 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA
-from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, first_line, iter_batches, list_shards, open_shard,
-                          read_manifest, require_dataset, require_documents)
+from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, iter_batches, list_shards, open_shard, read_manifest,
+                          read_shard, require_dataset, require_documents)
 
 
 def find_document(directory: str | Path, doc_id: str) -> dict[str, Any] | None:
@@ -36,10 +34,7 @@ def decisions_for(directory: str | Path, doc_id: str) -> list[dict[str, Any]]:
         # A damaged shard (garbage bytes, cut short) is an error that names it, not pyarrow's
         # traceback: the footer and the columns are checked first, then the filtered read.
         open_shard(shard, shard, DECISION_SCHEMA, ("id", "stage", "kept", "reason", "scores"))
-        try:
-            table = pq.read_table(shard, filters=pc.field("id") == doc_id)
-        except (pa.ArrowException, OSError) as exc:
-            raise AssayError(f"{shard}: corrupt Parquet data ({first_line(exc)})") from None
+        table = read_shard(shard, filters=pc.field("id") == doc_id)
         for row in table.to_pylist():
             row["scores"] = dict(row["scores"]) if row["scores"] else {}
             rows.append(row)

@@ -36,8 +36,8 @@ import pyarrow.parquet as pq
 
 from assay.errors import AssayError
 from assay.lineage import scores_behind
-from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, first_line,
-                          list_shards, open_shard)
+from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, list_shards,
+                          open_shard, read_shard)
 
 __all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "made_by",
            "measure_labelled_code", "require_stage_outputs", "why_stories"]
@@ -148,15 +148,6 @@ def require_stage_outputs(inputs: ReportInputs) -> None:
                              f"takes the {stage.name} stage's output, made by `{command}`")
 
 
-def _read(shard: Path, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
-    """One shard; damage (cut short, garbage pages or footer) is an error naming it, where
-    pyarrow's exception made `assay report` an internal error."""
-    try:
-        return pq.read_table(shard, columns=columns, filters=filters)
-    except (pa.ArrowException, OSError) as exc:
-        raise AssayError(f"{shard}: cannot be read as Parquet ({first_line(exc)})") from None
-
-
 def _column_names(shard: Path) -> list[str]:
     return open_shard(shard, shard).schema_arrow.names
 
@@ -165,7 +156,7 @@ def _decisions(directory: Path, columns: list[str]) -> pa.Table | None:
     shards = list_shards(directory / DECISIONS_DIR)
     if not shards:
         return None
-    return pa.concat_tables(_read(s, columns=columns) for s in shards)
+    return pa.concat_tables(read_shard(s, columns=columns) for s in shards)
 
 
 def _score(table: pa.Table, key: str) -> np.ndarray:
@@ -197,7 +188,7 @@ def _parquet_dir(directory: Path, columns: list[str] | None = None) -> pa.Table 
     tables = []
     for shard in shards:
         names = _column_names(shard)
-        tables.append(_read(shard, columns=[c for c in columns if c in names] if columns else None))
+        tables.append(read_shard(shard, columns=[c for c in columns if c in names] if columns else None))
     return pa.concat_tables(tables, promote_options="default")
 
 
@@ -899,7 +890,7 @@ def why_stories(ids: list[str], datasets: list[Path]) -> dict[str, list[dict[str
     for directory in datasets:
         created = (_manifest(directory) or {}).get("created_at", "")
         for shard in list_shards(Path(directory) / DECISIONS_DIR):
-            table = _read(shard, filters=pc.field("id").isin(wanted))
+            table = read_shard(shard, filters=pc.field("id").isin(wanted))
             for row in table.to_pylist():
                 row["scores"] = dict(row["scores"]) if row["scores"] else {}
                 stories[row["id"]].append({"dataset": str(directory), "created_at": created, **row})
@@ -939,7 +930,7 @@ def _documents(directory: Path, ids: set[str], columns: list[str]) -> dict[str, 
     wanted = pa.array(sorted(ids), pa.string())
     for shard in list_shards(directory):
         names = _column_names(shard)
-        table = _read(shard, columns=[c for c in columns if c in names], filters=pc.field("id").isin(wanted))
+        table = read_shard(shard, columns=[c for c in columns if c in names], filters=pc.field("id").isin(wanted))
         for row in table.to_pylist():
             found[row["id"]] = row
     return found

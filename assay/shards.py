@@ -421,6 +421,15 @@ def shard_batches(parquet: pq.ParquetFile, label: str | os.PathLike, *, columns:
         raise AssayError(f"{label}: corrupt Parquet data ({first_line(exc)})") from None
 
 
+def read_shard(shard: str | os.PathLike, *, columns: list[str] | None = None, filters: Any = None) -> pa.Table:
+    """`pq.read_table` of one shard, with damage (cut short, garbage pages or footer) reported as
+    an error naming the shard, as `shard_batches` reports it, not as pyarrow's traceback."""
+    try:
+        return pq.read_table(shard, columns=columns, filters=filters)
+    except (pa.ArrowException, OSError) as exc:
+        raise AssayError(f"{shard}: corrupt Parquet data ({first_line(exc)})") from None
+
+
 def byte_slices(batch: pa.RecordBatch, max_bytes: int) -> Iterator[pa.RecordBatch]:
     """Consecutive zero-copy slices of `batch`, each's string and binary values at most `max_bytes` (or one row)."""
     import numpy as np
@@ -475,6 +484,19 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise AssayError(f"{directory}: no {MANIFEST}; the stage that writes it did not finish") from None
     except json.JSONDecodeError as exc:
         raise AssayError(f"{path}: corrupt manifest ({exc})") from None
+
+
+def kept_nothing(dataset: str | os.PathLike) -> bool:
+    """Whether `dataset` is a stage's whole output that holds no document: its manifest lists no shard.
+
+    Such an output is the next stage's input like any other (it judges nothing and publishes an
+    empty dataset in turn), and a reader that needs documents says so rather than "damaged".
+    A folder without a manifest, or with one that cannot be read, is something else.
+    """
+    try:
+        return read_manifest(dataset).get("shards") == []
+    except (AssayError, OSError, AttributeError):
+        return False
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:

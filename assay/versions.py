@@ -21,7 +21,6 @@ identified by its own digest, as an untracked one is, with ``modified`` set.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import pyarrow as pa
 
 from assay.errors import AssayError
 from assay.schema import DOCUMENT_SCHEMA
-from assay.shards import MANIFEST, SHARD_PATTERN, open_shard, require_complete, shard_batches
+from assay.shards import MANIFEST, SHARD_PATTERN, kept_nothing, open_shard, read_manifest, require_complete, shard_batches
 
 __all__ = ["DatasetVersion", "open_version"]
 
@@ -178,12 +177,9 @@ def _commit(fs: Any, rev: str | None) -> str | None:
 
 def _no_shards(given: str, absolute: Path) -> AssayError:
     """The error for a folder without shards: a stage's output that kept nothing is not a damaged one."""
-    try:
-        manifest = json.loads((absolute / MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = None
-    if isinstance(manifest, dict) and manifest.get("shards") == []:
-        return AssayError(f"{given} holds no documents: its stage ({manifest.get('stage', 'unknown')}) kept none "
+    if kept_nothing(absolute):
+        stage = read_manifest(absolute).get("stage", "unknown")
+        return AssayError(f"{given} holds no documents: its stage ({stage}) kept none "
                           "of its input; its decisions say why (`assay report`, `assay why`)")
     return AssayError(f"{given} holds no part-*.parquet shards")
 

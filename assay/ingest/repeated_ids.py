@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.schema import DECISION_SCHEMA, INVALID_DUPLICATE_ID, QUARANTINE_SCHEMA
-from assay.shards import COMPRESSION, TMP_MARKER, atomic_write_json, staging_dir
+from assay.shards import COMPRESSION, atomic_write_bytes, atomic_write_json, staging_dir
 from assay.staging import DECISIONS, DOCS, DONE, QUARANTINE, UnitResult
 
 STAGE = "ingest"
@@ -190,6 +190,6 @@ def _read_or_empty(path: Path, schema: pa.Schema) -> pa.Table:
 
 def _replace(path: Path, table: pa.Table) -> None:
     """Write `table` over `path` in one rename: a reader, or a rerun, finds the old file or the new one."""
-    tmp = path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}")
-    pq.write_table(table, tmp, compression=COMPRESSION)
-    os.replace(tmp, path)
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, compression=COMPRESSION)
+    atomic_write_bytes(path, buffer.getvalue().to_pybytes())

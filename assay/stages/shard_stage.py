@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA, DOCUMENT_SCHEMA
-from assay.shards import MANIFEST, list_shards, open_shard, read_manifest, require_dataset
+from assay.shards import kept_nothing, list_shards, open_shard, read_manifest, require_dataset
 from assay.staging import DATASET_FORMAT, UnitResult
 
 
@@ -42,23 +42,12 @@ class ShardUnit:
 
 
 def plan_shards(input_dir: str | Path) -> list[ShardUnit]:
-    """One unit per input shard; none for a dataset its stage published empty (it kept no document)."""
+    """One unit per input shard; none for a dataset its stage published empty (`shards.kept_nothing`)."""
     require_dataset(input_dir)
     shards = list_shards(input_dir)
     if not shards and not kept_nothing(input_dir):
         raise AssayError(f"{input_dir}: has no part-*.parquet shards")
     return [ShardUnit(i, str(shard), f"{i:05d}-{_signature(shard)}") for i, shard in enumerate(shards)]
-
-
-def kept_nothing(dataset: str | Path) -> bool:
-    """Whether `dataset` is a stage's whole output that holds no document: its manifest lists no shard.
-
-    Such an output is the next stage's input like any other: it judges nothing and publishes an
-    empty dataset in turn, so a pipeline whose filters dropped everything still ends in a report
-    that says why. (A folder without a manifest and without shards is something else: refused.)
-    """
-    manifest = Path(dataset) / MANIFEST
-    return manifest.is_file() and read_manifest(dataset).get("shards") == []
 
 
 def _signature(shard: Path) -> str:
