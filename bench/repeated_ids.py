@@ -1,4 +1,4 @@
-"""The cost of one id, one document: ingest's check for ids repeated across files.
+"""The cost of one id, one document: ingest's checks for ids repeated across files and within one.
 
     python bench/repeated_ids.py [--files 4] [--docs 250000] [--repeats 3]
 
@@ -10,6 +10,13 @@ write, a Python set of every id. With no repeats, neither writes anything; the
 ratio to the tasks' time is what the check adds to an ingest. A second round
 gives every tenth record of the later files an id of the first file, and times
 the check that then moves those records to the quarantine.
+
+Within a file, the reader's `Sink._first_of_each_id` checks each batch's ids
+against the unit's earlier ones as it writes. Its time is taken inside the
+task (the method wrapped with a CPU timer) for one JSONL file of unique ids at
+three record sizes, and given as its share of the task's CPU time: no peer
+checks this (datatrove and `datasets` keep both records), so the ingest itself
+is what it is measured against.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from assay.config import Params  # noqa: E402
 from assay.ingest import fingerprint, options_from_params  # noqa: E402
 from assay.ingest.plan import plan  # noqa: E402
-from assay.ingest.readers import ingest_unit  # noqa: E402
+from assay.ingest.readers import Sink, ingest_unit  # noqa: E402
 from assay.ingest.repeated_ids import quarantine_repeated_ids  # noqa: E402
 from assay.shards import staging_dir  # noqa: E402
 from assay.staging import DOCS, prepare  # noqa: E402
@@ -91,6 +98,45 @@ def run(work: Path, files: int, docs: int, repeat_every: int | None, repeats: in
           f"({statistics.median(check) / tasks:.1%}) | {statistics.median(peer):.3f} |")
 
 
+def within_a_file(work: Path, records: int, words: int, repeats: int) -> None:
+    """One file of RECORDS unique ids with texts of WORDS x 3 words: the task's CPU time and the
+    within-file check's share of it (medians of REPEATS)."""
+    path = work / f"within-{words}.jsonl"
+    with open(path, "w") as handle:
+        for i in range(records):
+            handle.write(json.dumps({"id": f"doc-{i}", "text": f"Record {i}: " + "plain English prose, " * words}) + "\n")
+    spent = [0.0]
+    check = Sink._first_of_each_id
+
+    def timed(self, batch, where):
+        started = time.process_time()
+        try:
+            return check(self, batch, where)
+        finally:
+            spent[0] += time.process_time() - started
+
+    params = Params()
+    options = options_from_params(params)
+    units = plan([str(path)], options)
+    rounds = []
+    Sink._first_of_each_id = timed
+    try:
+        for _ in range(repeats):
+            out = work / f"within-{words}-raw"
+            prepare(out, fingerprint(units, options, params), overwrite=True)
+            spent[0] = 0.0
+            started = time.process_time()
+            results = [ingest_unit(i, u, str(out), options) for i, u in enumerate(units)]
+            rounds.append((time.process_time() - started, spent[0]))
+            assert sum(r.counts["documents"] for r in results) == records
+            (staging_dir(out) / "fingerprint").unlink()
+    finally:
+        Sink._first_of_each_id = check
+    task, share = sorted(rounds)[len(rounds) // 2]
+    print(f"| {records:,} | {path.stat().st_size / records:,.0f} | {task:.2f} | {share * 1000:.0f} ({share / task:.1%}) "
+          f"| {share / records * 1e9:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=4)
@@ -102,6 +148,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run(Path(tmp), args.files, args.docs, None, args.repeats)
         run(Path(tmp), args.files, args.docs, 10, args.repeats)
+    print()
+    print("| records (one file) | bytes a record | task CPU s | within-file check CPU ms (of the task) | ns a record |")
+    print("|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for records, words in ((400_000, 3), (100_000, 50), (40_000, 200)):
+            within_a_file(Path(tmp), records, words, args.repeats)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,13 @@ def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
-    models = load_models(params.domain)  # fail fast on a missing model, before any task
-    band = perplexity_band([u.shard for u in units], params.domain, models)
+    if units:
+        models = load_models(params.domain)  # fail fast on a missing model, before any task
+        band = perplexity_band([u.shard for u in units], params.domain, models)
+        languages = models.scorer.languages
+    else:  # an input its stage published empty: nothing to judge, so no model to need
+        print(f"{input_dir} holds no documents (its stage kept none): the domain model is not loaded")
+        band, languages = None, None
     if band:
         print(f"perplexity band {params.domain.model.percentile_band} percentiles: {band[0]:.1f} - {band[1]:.1f}")
     futures = domain_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
@@ -42,7 +47,7 @@ def domain_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     clean = rule_clean_share(summarize(results))
     screen = params.domain.model
     extra = {"rule_clean_share": clean,
-             "models": {"domain_model": model, "languages": models.scorer.languages,
+             "models": {"domain_model": model, "languages": languages,
                         "perplexity_screen": [screen.min_perplexity, screen.max_perplexity], "perplexity_band": band}}
     require_unchanged(input_dir, units)  # every read is done: the output is of one input version
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)

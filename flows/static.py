@@ -32,12 +32,16 @@ def static_flow(input_dir: str, out: str, overwrite: bool = False, params_file: 
     if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
         print(f"{out} is up to date with its inputs; nothing to do")
         return read_manifest(out)
-    models = load_models(params.static)  # fail fast (a missing head) before any task starts
+    extra = {"models": None}
+    if units:
+        models = load_models(params.static)  # fail fast (a missing head) before any task starts
+        extra["models"] = {"encoder": dataclasses.asdict(models.encoder.info), "scorer": models.scorer.name,
+                           "heuristics": [f.name for f in models.heuristics]}
+    else:  # an input its stage published empty: nothing to judge, so no model to need
+        print(f"{input_dir} holds no documents (its stage kept none): the encoder and head are not loaded")
     futures = static_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
                                     unmapped(params), [u.key for u in units])
     results = wait_with_progress(futures, f"static → {out}")
-    extra = {"models": {"encoder": dataclasses.asdict(models.encoder.info), "scorer": models.scorer.name,
-                        "heuristics": [f.name for f in models.heuristics]}}
     require_unchanged(input_dir, units)  # every read is done: the output is of one input version
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
     return commit(out, [u.key for u in units], manifest)

@@ -396,3 +396,31 @@ def test_an_input_that_kept_nothing_gives_an_empty_output_and_training_names_why
     assert manifest["shards"] == [] and manifest["counts"]["units"] == 0
     with pytest.raises(AssayError, match=r"domain holds no documents: its stage \(domain\) kept none of its input"):
         open_version(tmp_path / "domain")
+
+
+def test_an_input_that_kept_nothing_needs_no_model(tmp_path):
+    """Tier 1 and tier 3 loaded their models before seeing that their input held no document, so an
+    empty input stopped on a model that was missing or not yet trained, with nothing to judge. With no
+    document neither stage loads a model; the output is empty and says why, and the next stage takes it."""
+    from flows.domain import domain_flow
+    from flows.ingest import ingest_flow
+    from flows.static import static_flow
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["domain"]["model"]["model"] = str(tmp_path / "no-domain-model")
+    params["static"]["head"] = str(tmp_path / "no-head")
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    (tmp_path / "bad.jsonl").write_text('{"text": ""}\n')
+    ingest_flow([str(tmp_path / "bad.jsonl")], str(tmp_path / "raw"))
+    static = static_flow(str(tmp_path / "raw"), str(tmp_path / "static"), params_file=str(params_file))
+    assert static["shards"] == [] and static["models"] is None
+    domain = domain_flow(str(tmp_path / "static"), str(tmp_path / "domain"), params_file=str(params_file))
+    assert domain["shards"] == [] and domain["counts"]["units"] == 0 and domain["models"]["languages"] is None
+    # With a document to judge, the missing model is still the first thing said.
+    (tmp_path / "one.jsonl").write_text('{"text": "def f(x):\\n    return x + 1\\n", "kind": "code", "lang": "python"}\n')
+    ingest_flow([str(tmp_path / "one.jsonl")], str(tmp_path / "raw-one"))
+    with pytest.raises(Exception, match="no-domain-model"):
+        domain_flow(str(tmp_path / "raw-one"), str(tmp_path / "domain-one"), params_file=str(params_file))
+    with pytest.raises(Exception, match="no-head"):
+        static_flow(str(tmp_path / "raw-one"), str(tmp_path / "static-one"), params_file=str(params_file))

@@ -177,10 +177,30 @@ def test_directory_walk_skips_and_symlinks(tmp_path):
     (root / "broken.txt").symlink_to(tmp_path / "missing")
     out = tmp_path / "raw"
     manifest = ingest([root], out)
-    assert sorted(d["path"] for d in documents(out)) == ["link-in.py", "pkg/mod.py"]
+    assert sorted(d["path"] for d in documents(out)) == ["pkg/mod.py"]
     assert {p: r["reason"] for p, r in quarantine(out).items()} == {"broken.txt": "invalid:io"}
-    assert manifest["counts"]["skipped"]["symlink_outside_root"] == 1
-    assert manifest["counts"]["skipped"]["skipped_dir"] == 4
+    assert manifest["counts"]["skipped"] == {"symlink_outside_root": 1, "symlink_file_inside_root": 1, "skipped_dir": 4}
+
+
+@needs_flow
+def test_a_symlinked_file_inside_the_root_is_read_once_under_its_own_path(tmp_path):
+    """A link to a file inside the ingested root was read through the link as well, so the same
+    content came in twice under two ids (and a link into a skipped dir got round `skip_dirs`). Like
+    a symlinked directory, it is counted and not read: what it leads to is read under its own path."""
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    (root / "node_modules").mkdir()
+    (root / "docs" / "guide.md").write_text("A guide, written once, linked twice.\n")
+    (root / "node_modules" / "dep.js").write_text("module.exports = 2;\n")
+    (root / "README.md").symlink_to("docs/guide.md")                 # relative, inside
+    (root / "docs" / "index.md").symlink_to(root / "docs" / "guide.md")  # absolute, inside
+    (root / "chain.md").symlink_to("README.md")                      # a link to a link to a file inside
+    (root / "dep.js").symlink_to("node_modules/dep.js")              # into a skipped dir
+    manifest = ingest([root], tmp_path / "raw")
+    docs = documents(tmp_path / "raw")
+    assert [d["path"] for d in docs] == ["docs/guide.md"]
+    assert manifest["counts"]["documents"] == 1 and not quarantine(tmp_path / "raw")
+    assert manifest["counts"]["skipped"] == {"symlink_file_inside_root": 4, "skipped_dir": 1}
 
 
 @needs_flow
@@ -1132,7 +1152,8 @@ def test_a_symlinked_directory_is_counted_at_planning(tmp_path):
     (root / "b").symlink_to(tmp_path)
     entries, skipped = walk_directory(root, "root", ())
     assert [e.locator for e in entries] == ["a/f.txt"]
-    assert skipped == {"symlink_outside_root": 1, "symlink_dir_inside_root": 1, "skipped_dir": 0}
+    assert skipped == {"symlink_outside_root": 1, "symlink_dir_inside_root": 1, "symlink_file_inside_root": 0,
+                       "skipped_dir": 0}
     (root / "a" / "f.txt").unlink()
     units = plan([str(root)], IngestOptions())
     assert [(u.files, u.skipped) for u in units] == [((), skipped)]

@@ -130,16 +130,17 @@ def printable_name(name: str) -> str:
 def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple[list[FileEntry], dict[str, int]]:
     """Every file under `root`, sorted, without skipped dirs or escaping symlinks.
 
-    A symlinked file is read through its link (under the link's path) unless it leads out of
-    the root. A symlinked directory is never walked, and is counted: one leading out of the root
-    as a file link is (`symlink_outside_root`); one inside it (`symlink_dir_inside_root`) because
-    its files are walked under their own paths already (or lie in a skipped dir), so walking
-    them again would ingest each one twice under a second id, and a link to an ancestor would
-    never end. A broken link is not known to be a directory's: it is a file, quarantined.
+    A symlink is never followed, and is counted: one leading out of the root as
+    `symlink_outside_root`; one inside it as `symlink_dir_inside_root` or
+    `symlink_file_inside_root`, because what it leads to is walked under its own path already
+    (or lies in a skipped dir, which a link must not get round), so reading it again would
+    ingest the same content twice under a second id, and a link to an ancestor would never end.
+    A broken link leads nowhere known: it is a file, quarantined.
     """
     real_root = root.resolve()
     entries: list[FileEntry] = []
-    skipped = {"symlink_outside_root": 0, "symlink_dir_inside_root": 0, "skipped_dir": 0}
+    skipped = {"symlink_outside_root": 0, "symlink_dir_inside_root": 0, "symlink_file_inside_root": 0,
+               "skipped_dir": 0}
     skip = set(skip_dirs)
     for folder, dirs, files in os.walk(root, followlinks=False):
         kept_dirs = []
@@ -158,8 +159,9 @@ def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple
             path = Path(folder, name)
             if path.is_symlink():
                 target = Path(os.path.realpath(path))
-                if target.exists() and not target.is_relative_to(real_root):
-                    skipped["symlink_outside_root"] += 1
+                if target.exists():
+                    inside = target.is_relative_to(real_root)
+                    skipped["symlink_file_inside_root" if inside else "symlink_outside_root"] += 1
                     continue
             size, mtime = _stat(path)
             locator = printable_name(path.relative_to(root).as_posix())
