@@ -159,7 +159,7 @@ def open_version(path: str | os.PathLike, rev: str | None = None) -> DatasetVers
             raise AssayError(f"{given} is not tracked by DVC at rev {rev}; commit it with dvc first")
         return _plain(given, absolute, commit)
     if rev is None and absolute.is_dir():
-        return _workspace(given, absolute, fs.repo, prefix, dvc_info["md5"], commit)
+        return _workspace(given, absolute, fs, prefix, dvc_info["md5"], commit)
     names = _shard_names([Path(p).name for p in fs.ls(prefix, detail=False)])
     if not names:
         raise AssayError(f"{given} holds no part-*.parquet shards" + (f" at rev {rev}" if rev else ""))
@@ -194,24 +194,45 @@ def _plain(given: str, absolute: Path, commit: str | None = None, *, modified: b
     return DatasetVersion(given, None, commit, data_hash, False, names, modified=modified, _files=files)
 
 
-def _workspace(given: str, absolute: Path, repo: Any, prefix: str, md5: str, commit: str | None) -> DatasetVersion:
+def _workspace(given: str, absolute: Path, fs: Any, prefix: str, md5: str, commit: str | None) -> DatasetVersion:
     """A DVC-tracked dataset as the workspace holds it, read from disk like an untracked one.
 
     DVC's filesystem reads a workspace file from disk, and would name it by the hash DVC
     recorded, whatever the file now holds. So DVC is asked first; its answer is about the files
-    whose ids are taken before and after asking (its hashes are cached by inode, size and mtime).
+    whose ids are taken before and after asking. Its status trusts hashes cached by inode, size
+    and mtime, so each part's bytes are then checked against the md5 DVC recorded for it.
     """
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise _no_shards(given, absolute)
     before = _file_ids(absolute, names)
-    recorded, in_commit = _as_dvc_recorded(repo, prefix)
+    recorded, in_commit = _as_dvc_recorded(fs.repo, prefix)
     if not recorded:
         return _plain(given, absolute, commit, modified=True)
     if _shard_names(os.listdir(absolute)) != names or _file_ids(absolute, names) != before:
         raise AssayError(f"{given} was replaced while it was being opened (a stage published a new version); rerun")
+    if not _bytes_as_recorded(fs, absolute, prefix, before, given):
+        return _plain(given, absolute, commit, modified=True)
     return DatasetVersion(given, None, commit, md5, True, names, at_commit=in_commit and commit is not None,
                           _files=before)
+
+
+def _bytes_as_recorded(fs: Any, absolute: Path, prefix: str, files: dict[str, tuple[int, int]], given: str) -> bool:
+    """Whether each part holds the bytes whose md5 DVC recorded for it.
+
+    An edit in place that keeps a file's inode, size and mtime (a flipped byte, the mtime set
+    back) is "unchanged" to DVC's status, which would then name the new bytes by the old hash.
+    Reading every byte once is what an untracked dataset's digest costs too.
+    """
+    for name, file_id in files.items():
+        recorded = ((fs.info(f"{prefix}/{name}") or {}).get("dvc_info") or {}).get("md5")
+        with open(absolute / name, "rb") as handle:
+            if _id_of(os.fstat(handle.fileno())) != file_id:
+                raise AssayError(f"{given} was replaced while it was being opened (a stage published a new "
+                                 "version); rerun")
+            if hashlib.file_digest(handle, "md5").hexdigest() != recorded:
+                return False
+    return True
 
 
 def _file_ids(directory: Path, names: list[str]) -> dict[str, tuple[int, int]]:
