@@ -199,6 +199,18 @@ def list_versions(repo: str | Path = ".", *, counts: bool = True) -> list[Versio
     return versions
 
 
+def version_grid(versions: list[Version]) -> tuple[list[str], list[list[dict | None]], list[str]]:
+    """What `assay versions` and the report's lineage table both draw: the data outputs any version
+    holds data for (the columns, first seen first); per version, each column's output, or None where
+    that version holds no data there (no such output, or a stage declared but never run); and the
+    errors met counting documents, each once."""
+    with_data = [{o["path"]: o for o in version.outputs if o.get("md5")} for version in versions]
+    paths = list(dict.fromkeys(path for outputs in with_data for path in outputs))
+    grid = [[outputs.get(path) for path in paths] for outputs in with_data]
+    errors = list(dict.fromkeys(o["error"] for row in grid for o in row if o is not None and o.get("error")))
+    return paths, grid, errors
+
+
 def _attach_tags(root: Path, versions: list[Version]) -> None:
     """A tag names the version its commit holds, so a release tagged on a later commit
     (a docs change after the data commit) still shows against its data."""

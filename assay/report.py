@@ -10,6 +10,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from assay.history import version_grid
 from assay.lineage import scores_behind
 
 console = Console()
@@ -236,7 +237,7 @@ def versions(found, repo) -> None:
     if not found:
         print("no dataset versions yet: no commit changed a data/ output in dvc.lock or a .dvc file")
         return
-    paths = list(dict.fromkeys(o["path"] for v in found for o in v.outputs))
+    paths, grid, errors = version_grid(found)
     table = Table(title=Text(f"dataset versions in {repo}"))
     whole_column(table, "commit")  # the short hash `assay diff` and git take
     table.add_column("date (UTC)")
@@ -244,24 +245,16 @@ def versions(found, repo) -> None:
     table.add_column("message")
     for path in paths:
         whole_column(table, Text(path.removeprefix("data/")), justify="right")
-    errors = []
-    for version in found:
-        by_path = {o["path"]: o for o in version.outputs}
+    for version, outputs in zip(found, grid):
         cells = []
-        for path in paths:
-            out = by_path.get(path)
-            if out is None:
-                cells.append("")
-                continue
-            count = "?" if out["documents"] is None else f"{out['documents']:,}"
-            cells.append(f"[bold]{count}[/]" if path in version.changed else count)
-            if out.get("error"):
-                errors.append(out["error"])
+        for path, out in zip(paths, outputs):
+            count = "" if out is None else "?" if out["documents"] is None else f"{out['documents']:,}"
+            cells.append(f"[bold]{count}[/]" if out is not None and path in version.changed else count)
         table.add_row(version.commit[:8], version.date[:16].replace("T", " "), Text(", ".join(version.tags)),
                       Text(version.subject[:50]), *cells)
     print_table(table)
     console.print("bold: changed at that commit", style="dim")
-    for error in dict.fromkeys(errors):
+    for error in errors:
         console.print(f"?: {error}", style="yellow", markup=False)
 
 

@@ -818,7 +818,7 @@ def _lineage_section(inputs: ReportInputs) -> Section:
     """`assay versions` as a table and a chart: each commit that changed a data/ output, read without a checkout."""
     import plotly.graph_objects as go
 
-    from assay.history import list_versions
+    from assay.history import list_versions, version_grid
 
     section = Section("lineage", "Version lineage")
     how = "dvc repro, then git add dvc.lock && git commit  (each commit that changes a data/ output is a version)"
@@ -838,14 +838,12 @@ def _lineage_section(inputs: ReportInputs) -> Section:
     if status.strip():
         section.parts.append('<div class="missing">The workspace\'s dvc.lock is not committed: the newest outputs are '
                              "not a version yet (<code>git add dvc.lock && git commit</code>).</div>")
-    paths = list(dict.fromkeys(o["path"] for v in versions for o in v.outputs))
+    paths, grid, errors = version_grid(versions)
     rows = []
-    for version in versions:
-        by_path = {o["path"]: o for o in version.outputs}
+    for version, outputs in zip(versions, grid):
         cells = []
-        for path in paths:
-            out = by_path.get(path)
-            if out is None or not out.get("md5"):
+        for path, out in zip(paths, outputs):
+            if out is None:
                 cells.append('<span class="dim">-</span>')
                 continue
             n = out.get("documents")
@@ -864,17 +862,15 @@ def _lineage_section(inputs: ReportInputs) -> Section:
     section.table(["commit", "date (UTC)", "message", *[p.removeprefix("data/") for p in paths]], rows, escape=False,
                   css="lineage")
     figure = _figure(title="Documents per dataset, by version (oldest left)", yaxis_title="documents")
-    order = list(reversed(versions))
-    for path in paths:
-        points = [(v.commit[:8], o["documents"]) for v in order for o in v.outputs
-                  if o["path"] == path and isinstance(o.get("documents"), int)]
+    for column, path in enumerate(paths):
+        points = [(v.commit[:8], row[column]["documents"]) for v, row in zip(reversed(versions), reversed(grid))
+                  if row[column] is not None and isinstance(row[column].get("documents"), int)]
         if points:
             figure.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
                                         name=path))
     if figure.data:
         figure.update_xaxes(type="category", title="commit")
         section.chart("lineage-counts", figure)
-    errors = list(dict.fromkeys(o["error"] for v in versions for o in v.outputs if o.get("error")))
     for error in errors[:3]:
         section.text(f"? docs: {html.escape(error)}")
     return section

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +151,41 @@ def building(out_dir: str | os.PathLike) -> Path:
 DATASET_FORMAT = "assay-dataset/1"
 
 
+def own_output(out: Path, fmt: str, what: str) -> dict | None:
+    """The manifest of `out` when it is an output of ours of format `fmt`; None when `out` is absent or
+    an empty folder. Anything else is never written into: a file, a folder of another tool's files, or
+    one whose manifest is not ours (not JSON, not UTF-8, not an object, another format) is an error."""
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        try:
+            found = json.loads(manifest.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            found = None
+        if not isinstance(found, dict) or found.get("format") != fmt:
+            raise AssayError(f"{out}: its {MANIFEST} is not {what}'s; choose another --out")
+        return found
+    if out.is_dir() and any(out.iterdir()):
+        raise AssayError(f"{out}: exists and is not {what}; choose another --out")
+    return None
+
+
+def require_model_out(out: Path, inputs: Sequence[str | os.PathLike], what: str, ours: Callable[[Path], bool]) -> None:
+    """Refuse, before any training, a model's `out` that saving would break or destroy: a file, an
+    input (or a folder holding one, or inside one), or a folder holding anything but an earlier
+    model of this kind (`ours(out)`), which saving replaces whole."""
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    for source in inputs:
+        overlap = overlaps(out, Path(source))
+        if overlap:
+            raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
+    if out.is_dir() and any(out.iterdir()) and not ours(out):
+        raise AssayError(f"{out}: holds something other than {what}, which saving would replace; "
+                         "choose another --out")
+
+
 def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = False,
             inputs: Sequence[str | os.PathLike] = ()) -> bool:
     """Get `out_dir`'s staging folder ready for a run; returns True when `out_dir` is already complete.
@@ -165,21 +200,13 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
     - a staging folder left by a killed run of the same inputs is resumed.
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    found = own_output(out, DATASET_FORMAT, "an Assay dataset")
     for source in inputs:
-        overlap = _overlap(out, Path(source))
+        overlap = overlaps(out, Path(source))
         if overlap:
             raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
     staging = staging_dir(out)
-    manifest = out / MANIFEST
-    if manifest.is_file():
-        try:
-            found = json.loads(manifest.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            found = None
-        if not isinstance(found, dict) or found.get("format") != DATASET_FORMAT:
-            raise AssayError(f"{out}: its {MANIFEST} is not an Assay dataset's; choose another --out")
+    if found is not None:
         previous = found.get("fingerprint")
         if previous == fingerprint:
             shutil.rmtree(staging, ignore_errors=True)  # a commit killed after publishing leaves it
@@ -189,8 +216,6 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
                 f"{out}: holds a finished dataset made from other inputs or params; "
                 "pass --overwrite to replace it"
             )
-    elif out.is_dir() and any(out.iterdir()):
-        raise AssayError(f"{out}: exists and is not an Assay dataset; choose another --out")
     marker = staging / FINGERPRINT
     if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
         shutil.rmtree(staging)  # staged units of other inputs cannot be resumed
@@ -200,7 +225,7 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
     return False
 
 
-def _overlap(out: Path, source: Path) -> str | None:
+def overlaps(out: Path, source: Path) -> str | None:
     """How `out` overlaps the input `source` (compared resolved), or None."""
     if not source.exists():
         return None  # a keyword such as `demo`, or a URL: not a local path

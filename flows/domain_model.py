@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from prefect import flow
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from assay.config import load_params
+from assay.domain.perplexity import REPORT
 from assay.domain.train import train_domain_model
+from assay.staging import require_model_out
 
 
 @flow(name="domain-model", log_prints=True)
 def domain_model_flow(data: str, out: str, params_file: str | None = None) -> dict:
     """Train the GPT-2-architecture domain model on DATA's reference code; save it to OUT."""
     params = load_params(params_file)
+    # Saving replaces OUT whole: refuse, before training, an OUT that is not an earlier domain model.
+    require_model_out(Path(out), [data], "a domain model", lambda folder: (folder / REPORT).is_file())
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.3f}"), TimeRemainingColumn())
     with Progress(*columns, console=Console(file=sys.stderr)) as progress:

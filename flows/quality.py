@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import flow
 
 from assay.config import load_params
+from assay.quality.head import WEIGHTS
 from assay.quality.train import labelled_examples, reference_examples, train_head
+from assay.staging import require_model_out
 
 
 @flow(name="quality-head", log_prints=True)
@@ -14,6 +18,9 @@ def quality_train_flow(
 ) -> dict:
     """Train the head on DATA's reference recipe, or on a LABELS file; save it under OUT."""
     params = load_params(params_file)
+    # The head is saved into OUT: refuse, before training, an OUT that is not an earlier head.
+    require_model_out(Path(out), [i for i in (data, labels) if i], "a quality head",
+                      lambda folder: (folder / WEIGHTS).is_file())
     if labels:
         examples, recipe = labelled_examples(labels, data), f"labels:{labels}"
     else:

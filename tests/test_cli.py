@@ -227,7 +227,8 @@ def test_tables_fold_ids_commits_and_counts_on_a_narrow_terminal(monkeypatch):
     assert _column(clusters, "doc_id") == LONG_A + LONG_B and _column(clusters, "duplicate_of") == LONG_A
 
     commit = "a84f1d7e" + "0" * 32
-    outputs = [{"path": f"data/{p}", "documents": 1_234_567} for p in ("raw", "static", "domain", "dedup", "curated")]
+    outputs = [{"path": f"data/{p}", "md5": f"{i:032x}.dir", "documents": 1_234_567}
+               for i, p in enumerate(("raw", "static", "domain", "dedup", "curated"))]
     version = Version(commit, "2026-12-06T19:42:00", "Read side, from a probe: export never deletes the run",
                       ["v1", "release-2026-12"], ["data/raw"], outputs)
     table = render(lambda: report.versions([version], "."))
@@ -241,11 +242,40 @@ def test_versions_table_off_a_terminal_keeps_every_cell_on_one_line(monkeypatch,
 
     monkeypatch.setenv("COLUMNS", "80")
     commit = "a84f1d7e" + "0" * 32
-    outputs = [{"path": f"data/{p}", "documents": 1_234_567} for p in ("raw", "static", "domain", "dedup", "curated")]
+    outputs = [{"path": f"data/{p}", "md5": f"{i:032x}.dir", "documents": 1_234_567}
+               for i, p in enumerate(("raw", "static", "domain", "dedup", "curated"))]
     report.versions([Version(commit, "2026-12-06T19:42:00", "data v2", ["v1", "release-2026-12"], ["data/raw"],
                              outputs)], ".")
     row = next(line for line in capsys.readouterr().out.splitlines() if commit[:8] in line)
     assert "…" not in row and row.count("1,234,567") == 5 and "v1, release-2026-12" in row
+
+
+def test_both_version_tables_draw_one_grid_where_a_stage_never_run_holds_no_data(monkeypatch, capsys):
+    """`assay versions` printed "?" documents for an output whose stage was declared but never run at
+    that commit (no hash), where the report's lineage table drew it as empty: two walks over the same
+    versions. Both now draw `history.version_grid`: no data there, an empty cell; an unreadable count, "?"."""
+    from assay import report
+    from assay.history import Version, version_grid
+
+    monkeypatch.setenv("COLUMNS", "200")
+    older = Version("1" * 40, "2026-12-05T10:00:00", "ingest only", [], ["data/raw"],
+                    [{"path": "data/raw", "md5": "a" * 32 + ".dir", "documents": 10},
+                     {"path": "data/static", "md5": None, "documents": None}])
+    newer = Version("2" * 40, "2026-12-06T10:00:00", "static too", [], ["data/static"],
+                    [{"path": "data/raw", "md5": "a" * 32 + ".dir", "documents": 10},
+                     {"path": "data/static", "md5": "b" * 32 + ".dir", "documents": None, "error": "no manifest"},
+                     {"path": "data/never", "md5": None, "documents": None}])
+    paths, grid, errors = version_grid([newer, older])
+    assert paths == ["data/raw", "data/static"]  # data/never holds data in no version: no column
+    assert [[o and o["documents"] for o in row] for row in grid] == [[10, None], [10, None]]
+    assert grid[1][1] is None and grid[0][1]["error"] == "no manifest" and errors == ["no manifest"]
+    report.versions([newer, older], ".")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "commit" in line).split("┃")
+    assert [c.strip() for c in header[5:-1]] == ["raw", "static"], out
+    static = {line.split()[1]: line.split("│")[6].strip() for line in out.splitlines() if line.startswith(("│ 1", "│ 2"))}
+    assert static == {"22222222": "?", "11111111": ""}, out
+    assert "?: no manifest" in out
 
 
 def test_a_users_error_inside_a_flow_is_one_line_without_prefects_error_log(ingested, tmp_path):

@@ -424,3 +424,49 @@ def test_an_input_that_kept_nothing_needs_no_model(tmp_path):
         domain_flow(str(tmp_path / "raw-one"), str(tmp_path / "domain-one"), params_file=str(params_file))
     with pytest.raises(Exception, match="no-head"):
         static_flow(str(tmp_path / "raw-one"), str(tmp_path / "static-one"), params_file=str(params_file))
+
+
+def test_a_model_out_that_is_not_a_model_is_refused_before_training(tmp_path):
+    """`assay domain train` saved by deleting OUT whole (`rmtree`) and renaming its new model there:
+    `--out data/static` deleted the dataset it had just read, `--out .` a whole project, and `--out`
+    a file failed after training with a raw NotADirectoryError. `assay quality train` wrote its head
+    into any folder, a dataset included. Both now refuse, before training, an OUT that is a file, an
+    input, inside or holding one, or a folder holding anything but an earlier model of theirs."""
+    from flows.domain_model import domain_model_flow
+    from flows.ingest import ingest_flow
+    from flows.quality import quality_train_flow
+
+    raw = tmp_path / "raw"
+    (tmp_path / "in.jsonl").write_text('{"text": "def f(x):\\n    return x\\n", "kind": "code", "lang": "python"}\n')
+    ingest_flow([str(tmp_path / "in.jsonl")], str(raw))
+    (tmp_path / "afile").write_text("a user's file\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("keep me\n")
+    (project / "config.json").write_text("{}")
+    cases = {tmp_path / "afile": "is a file, not a directory", raw: "is the input", raw / "model": "lies inside the input",
+             tmp_path: "holds the input", project: "holds something other than"}
+
+    def snapshot():
+        return sorted((str(f.relative_to(tmp_path)), f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file())
+
+    before = snapshot()
+    for out, message in cases.items():
+        with pytest.raises(AssayError, match=message):
+            domain_model_flow(str(raw), str(out))
+        with pytest.raises(AssayError, match=message):
+            quality_train_flow(str(raw), str(out))
+        assert snapshot() == before, out
+    # An earlier model of each kind is what OUT may hold: the check passes it (training then replaces it).
+    from assay.domain.perplexity import REPORT
+    from assay.quality.head import WEIGHTS
+    from assay.staging import require_model_out
+
+    (tmp_path / "old-domain").mkdir()
+    (tmp_path / "old-domain" / REPORT).write_text("{}")
+    require_model_out(tmp_path / "old-domain", [str(raw)], "a domain model", lambda f: (f / REPORT).is_file())
+    (tmp_path / "old-head").mkdir()
+    (tmp_path / "old-head" / WEIGHTS).write_bytes(b"")
+    require_model_out(tmp_path / "old-head", [str(raw)], "a quality head", lambda f: (f / WEIGHTS).is_file())
+    with pytest.raises(AssayError, match="holds something other than a quality head"):
+        require_model_out(tmp_path / "old-domain", [str(raw)], "a quality head", lambda f: (f / WEIGHTS).is_file())

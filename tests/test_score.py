@@ -682,3 +682,28 @@ def test_materialised_weight_gradients_are_reused_chunk_by_chunk(monkeypatch):
     got = per_document_alignment(model, tokens, targets, mask, DOC_INDEX, N_DOCS, refs, doc_reference,
                                  method="materialise", weight_grads=False)
     torch.testing.assert_close(got.alignment, want.alignment, rtol=0, atol=1e-8)
+
+
+def test_an_out_that_is_not_ours_is_one_line_and_left_as_it_was(tiny, tmp_path):
+    """`assay score --out` pointed at a file scored every document and then failed to publish; one
+    whose manifest.json was not UTF-8 or not a JSON object stopped with a raw UnicodeDecodeError or
+    AttributeError. The scores' output is checked as every stage's is (`staging.own_output`), before
+    any work: one line, and the folder or file untouched."""
+    from training.score import score_dataset
+
+    file_out = tmp_path / "afile"
+    file_out.write_text("a user's file\n")
+    cases = {file_out: "is a file, not a directory"}
+    for name, manifest in (("not-utf8", b"\xff\xfe{"), ("a-list", b"[1, 2]"), ("a-dataset", b'{"format": "assay-dataset/1"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_bytes(manifest)
+        cases[tmp_path / name] = "manifest.json is not a scores directory's"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("someone else's\n")
+    cases[tmp_path / "other"] = "exists and is not a scores directory"
+    before = {p: sorted((f.name, f.read_bytes()) for f in ([p] if p.is_file() else p.iterdir())) for p in cases}
+    for out, message in cases.items():
+        with pytest.raises(AssayError, match=message):
+            score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+        assert sorted((f.name, f.read_bytes()) for f in ([out] if out.is_file() else out.iterdir())) == before[out]
+        assert not (tmp_path / f".{out.name}.staging").exists()

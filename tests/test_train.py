@@ -247,6 +247,43 @@ def test_a_finished_run_is_not_redone_and_a_used_out_is_not_clobbered(stdlib_dat
         train(open_version(stdlib_data), tmp_path / "empty", params, resume=True, progress=False)
 
 
+def test_an_out_that_is_not_a_run_is_one_line_and_left_as_it_was(stdlib_data, tmp_path):
+    """`assay train --out` a file stopped on a raw NotADirectoryError; `--out DATA --overwrite` wrote
+    the run into its own dataset's folder (changing the data it records); `--out . --overwrite`
+    wrote a run over any folder and wiped its `telemetry/`, `profile/`, `metrics.json`. Now --overwrite
+    replaces only an earlier run, keeping what other Assay stages wrote beside it (`RUN/scores`)."""
+    import shutil
+
+    params = tiny_params(steps=2)
+    data = tmp_path / "data"
+    shutil.copytree(stdlib_data, data)
+    (tmp_path / "afile").write_text("a user's file\n")
+    project = tmp_path / "project"
+    (project / "telemetry").mkdir(parents=True)
+    (project / "telemetry" / "mine.csv").write_text("a,b\n")
+    (project / "metrics.json").write_text("{}")
+    (project / "notes.txt").write_text("keep me\n")
+    cases = {tmp_path / "afile": "is a file, not a directory", data: "is the dataset",
+             data / "run": "lies inside the dataset", tmp_path: "holds the dataset",
+             project: "holds notes.txt, which no run writes"}
+    def snapshot():
+        return sorted((str(f.relative_to(tmp_path)), f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file())
+    before = snapshot()
+    for out, message in cases.items():
+        with pytest.raises(AssayError, match=message):
+            train(open_version(data), out, params, overwrite=True, progress=False)
+        assert snapshot() == before, out
+    # An earlier run with the scores scored beside it (DVC removed the run's own outputs first).
+    run = tmp_path / "run"
+    train(open_version(data), run, params, progress=False)
+    (run / "scores").mkdir()
+    (run / "scores" / "manifest.json").write_text('{"format": "assay-scores/1"}')
+    for name in ("checkpoints", "telemetry", "tokenizer.json", "history.jsonl", "metrics.json"):
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    again = train(open_version(data), run, tiny_params(steps=2, seed=3), overwrite=True, progress=False)
+    assert again.resumed_from is None and (run / "scores" / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8", "fp8_fp16"])
 def test_reduced_precision_trains(stdlib_data, tmp_path, precision):
     result = train(open_version(stdlib_data), tmp_path / precision, tiny_params(steps=10, precision=precision),
@@ -497,6 +534,38 @@ def test_a_tracked_dataset_changed_in_the_workspace_is_named_by_its_bytes_not_dv
     publish("v3")
     with pytest.raises(AssayError, match=r"part-00001.parquet: replaced since this run opened"):
         list(reading)
+
+
+def test_a_tracked_part_edited_in_place_keeping_its_size_and_mtime_is_named_by_its_bytes(tmp_path):
+    """DVC's status trusts its cache of hashes by inode, size and mtime: a byte flipped in place with
+    the mtime set back is "unchanged" to it, and `open_version` named the new bytes by the recorded
+    md5 (a resume, a score or a model card would take them for the recorded version). Each part's
+    bytes are now checked against the md5 DVC recorded for that file."""
+    import hashlib
+    import os
+
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
+    data = repo / "data/ds"
+    write_documents(data, stdlib_documents(6), source="v1", target_bytes=1)
+    run_ok([dvc, "add", "-q", "data/ds"], repo, env)
+    recorded = open_version(data)
+    assert recorded.tracked and not recorded.modified and recorded.data_hash.endswith(".dir")
+
+    part = data / recorded.shards[-1]
+    st = part.stat()
+    raw = bytearray(part.read_bytes())
+    before = hashlib.md5(raw).hexdigest()
+    raw[len(raw) // 2] ^= 0xFF  # same size, same name; the mtime is set back below
+    with open(part, "r+b") as handle:  # in place: the same inode
+        handle.write(raw)
+    os.utime(part, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert part.stat().st_ino == st.st_ino and part.stat().st_size == st.st_size
+    assert hashlib.md5(part.read_bytes()).hexdigest() != before
+    status = run_ok([dvc, "status", "--json", "data/ds.dvc"], repo, env)
+    assert status.strip() == "{}"  # DVC: up to date, the reason for the check
+    edited = open_version(data)
+    assert edited.modified and not edited.tracked and edited.data_hash.startswith("local-")
+    assert edited.data_hash == open_version(shutil.copytree(data, tmp_path / "copy")).data_hash
 
 
 def test_a_version_recorded_between_reading_dvcs_hash_and_asking_its_status_is_named_by_its_bytes(

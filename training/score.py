@@ -73,7 +73,7 @@ from assay.errors import AssayError
 from assay.schema import SCORE_SCHEMA
 from assay.shards import (MANIFEST, atomic_write_bytes, atomic_write_json, publish_directory, remove_temporaries,
                           shard_name, staging_dir)
-from assay.staging import SET_ASIDE, building
+from assay.staging import SET_ASIDE, building, own_output
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
@@ -556,17 +556,7 @@ def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> tuple[dict | N
     (assay.shards.publish_directory), so OUT holds the previous scores, or none, until then; a
     killed run's parts are resumed when the fingerprint matches, dropped when it does not.
     """
-    manifest_path = out / MANIFEST
-    previous = None
-    if manifest_path.is_file():
-        try:
-            previous = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError:
-            previous = {}
-        if previous.get("format") != FORMAT:
-            raise AssayError(f"{out}: holds something other than scores; choose another --out")
-    elif out.is_dir() and any(out.iterdir()):
-        raise AssayError(f"{out}: exists and is not a scores directory; choose another --out")
+    previous = own_output(out, FORMAT, "a scores directory")
     staging, work = staging_dir(out), building(out)
     if previous is not None:
         if previous.get("fingerprint") == fingerprint and all((out / s).is_file() for s in previous.get("shards", [])):

@@ -40,7 +40,8 @@ from torch import nn
 from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
-from assay.shards import atomic_write_bytes, atomic_write_json
+from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json
+from assay.staging import overlaps
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
 from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
@@ -58,6 +59,8 @@ __all__ = ["TrainResult", "train"]
 HISTORY_FILE = "history.jsonl"
 METRICS_FILE = "metrics.json"
 ROWS_DIR = "rows"  # the token rows, memory-mapped (training.data.cached_rows)
+#: Everything a run writes in its folder: `--overwrite` replaces a folder that holds nothing else.
+RUN_ENTRIES = ("checkpoints", "telemetry", "profile", ROWS_DIR, "tokenizer.json", HISTORY_FILE, METRICS_FILE)
 
 
 @dataclass
@@ -216,13 +219,23 @@ def _require_one_version(version: DatasetVersion, every_rank: list[str]) -> None
 def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume: bool, overwrite: bool,
                  allow_data_change: bool) -> Path | None:
     """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    overlap = overlaps(out, Path(version.path))
+    if overlap:  # a run written into its dataset's folder would change the dataset it records
+        raise AssayError(f"{out}: {overlap} the dataset {version.path}; choose an --out outside it")
     discard_partial_saves(out)
     checkpoint = latest_checkpoint(out)
     if checkpoint is None:
         if resume:
             raise AssayError(f"--resume: {out} holds no checkpoint to resume from")
-        if out.exists() and any(out.iterdir()) and not overwrite:
+        entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        if entries and not overwrite:
             raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+        foreign = [name for name in entries if name not in RUN_ENTRIES and not _assay_output(out / name)]
+        if foreign:  # `--out . --overwrite` must not write a run over a repository, nor wipe its telemetry/
+            raise AssayError(f"{out}: holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}, which no "
+                             "run writes; --overwrite replaces only an earlier run: choose another --out")
         _wipe(out)
         return None
     state = read_trainer_state(checkpoint)
@@ -250,8 +263,18 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
     return None
 
 
+def _assay_output(folder: Path) -> bool:
+    """A folder another stage wrote beside a run, such as `assay score`'s default `RUN/scores`: it
+    stays when the run is replaced (DVC removes the run's own outputs, not the next stage's)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("assay-")
+
+
 def _wipe(out: Path) -> None:
-    for name in ("checkpoints", "telemetry", "profile", ROWS_DIR, "tokenizer.json", HISTORY_FILE, METRICS_FILE):
+    for name in RUN_ENTRIES:
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
