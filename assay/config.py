@@ -521,6 +521,25 @@ class DomainParams:
     train: DomainTrainParams = field(default_factory=DomainTrainParams)
 
 
+def _fsspec_url(key: str, url: object) -> str:
+    """A URL whose filesystem fsspec knows and can load here (its package installed)."""
+    import fsspec
+
+    if not isinstance(url, str) or "://" not in url:
+        raise AssayError(f"{key} must be an fsspec URL such as s3://bucket/prefix (or null), not {url!r}")
+    protocol = url.split("://", 1)[0]
+    from urllib.parse import urlsplit
+
+    if urlsplit(url).password is not None:  # params.yaml and every manifest would carry it
+        raise AssayError(f"{key}: a password in the URL is refused; give credentials in the environment "
+                         "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the filesystem's own variables)")
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as exc:
+        raise AssayError(f"{key}: {url!r}: {str(exc).splitlines()[0]}") from None
+    return url
+
+
 @dataclass
 class MinHashParams:
     """Near-duplicate dedup; defaults follow FineWeb (word 5-grams, 14 bands x 8 rows)."""
@@ -535,10 +554,16 @@ class MinHashParams:
     #: "permutations": bands*rows hash functions over every shingle (classic MinHash, as FineWeb and
     #: datasketch); "one_permutation": one pass, a bin per value, empty bins densified (filters.minhash).
     scheme: str = "permutations"
+    #: Where the scans stage their signatures for the band tasks: null, beside OUT (a filesystem every
+    #: worker shares); or an fsspec URL (s3://bucket/prefix, gs://…) that every worker can reach, each
+    #: run in a folder of its own under it, removed when the stage commits.
+    staging: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in ("permutations", "one_permutation"):
             raise AssayError(f"dedup.minhash.scheme must be permutations or one_permutation, not {self.scheme!r}")
+        if self.staging is not None:
+            self.staging = _fsspec_url("dedup.minhash.staging", self.staging)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from assay.shards import read_manifest
 from assay.stages.dedup import (
     STAGE,
     decide,
+    drop_signatures,
     exact_step,
     find_embeddings,
     gather,
@@ -82,7 +83,7 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
 
     # The scans write their signatures to the staging area and return none: the band tasks read them
     # from there, each only its band's columns, so no task and not this process holds the whole matrix.
-    staged = signatures_folder(out)
+    staged = signatures_folder(out, params.dedup.minhash.staging, fingerprint)
     files = [signatures_file(staged, u.index) for u in units]
     scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
                                              unmapped(params.io.batch_rows), files,
@@ -116,7 +117,10 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)
     extra = {"dedup": counts, "graph": graph}
     manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
-    return commit(out, [u.key for u in units], manifest)
+    committed = commit(out, [u.key for u in units], manifest)
+    if params.dedup.minhash.staging is not None:
+        drop_signatures(staged)
+    return committed
 
 
 def run_dedup(input_dir: str, out: str, **kwargs) -> dict:

@@ -262,3 +262,46 @@ def test_an_input_republished_during_the_run_reaches_neither_the_dataset_nor_the
         flows.dedup.dedup_flow(str(source), str(out), overwrite=True, params_file=str(deduped["params"]))
     assert upstream.finished == upstream.n
     assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_signatures_staged_on_an_object_store_give_the_same_output_and_are_removed(deduped, monkeypatch):
+    """`dedup.minhash.staging` puts the scans' signatures on an fsspec URL (an object store every
+    worker reaches) instead of beside OUT. fsspec's `memory://` stands in for it here: a filesystem
+    that is not the local disk, shared by the thread runner's tasks. The band tasks must read it as
+    they read the local folder (same decisions, same documents), the run's folder must be its own,
+    and nothing may be left on it after the commit."""
+    import fsspec
+
+    from assay.errors import AssayError
+    from assay.stages.dedup import signatures_folder
+    from flows.dedup import dedup_flow
+
+    params = yaml.safe_load(deduped["params"].read_text())
+    params["dedup"]["minhash"]["staging"] = "memory://assay-test/bucket"
+    remote = deduped["root"] / "params-remote-signatures.yaml"
+    remote.write_text(yaml.safe_dump(params))
+    import assay.stages.dedup as stage
+
+    seen, written = [], stage.write_signatures
+    monkeypatch.setattr(stage, "write_signatures", lambda sigs, path, minhash: (seen.append(path),
+                                                                               written(sigs, path, minhash))[1])
+    out = deduped["root"] / "dedup-remote-signatures"
+    dedup_flow(str(deduped["raw"]), str(out), params_file=str(remote))
+    monkeypatch.undo()
+    assert seen and all(p.startswith("memory://assay-test/bucket/dedup-signatures-") for p in seen)
+    assert len({p.rsplit("/", 1)[0] for p in seen}) == 1  # one folder, the run's own
+    memory = fsspec.filesystem("memory")
+    assert not memory.exists("/assay-test/bucket") or memory.ls("/assay-test/bucket") == []
+    assert _decisions(out) == _decisions(deduped["out"])
+    docs = lambda folder: sorted((r["id"], r["text"], r["cluster"]) for b in iter_batches(folder)  # noqa: E731
+                                 for r in b.to_pylist())
+    assert docs(out) == docs(deduped["out"])
+    # Two OUTs never share a folder; the same OUT and inputs find theirs again.
+    assert signatures_folder("a", "s3://b/p", "f") != signatures_folder("b", "s3://b/p", "f")
+    assert signatures_folder("a", "s3://b/p/", "f") == signatures_folder("a", "s3://b/p", "f")
+    for bad, said in (("/local/path", "must be an fsspec URL"), ("nosuchproto://x", "nosuchproto"),
+                      ("s3://key:secret@bucket/p", "password in the URL is refused")):
+        params["dedup"]["minhash"]["staging"] = bad
+        remote.write_text(yaml.safe_dump(params))
+        with pytest.raises(AssayError, match=said):
+            dedup_flow(str(deduped["raw"]), str(deduped["root"] / "never"), params_file=str(remote))

@@ -16,6 +16,7 @@ Documents dropped at one step are not considered at the next.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -100,10 +101,24 @@ def scan_shard(shard: str, params: DedupParams, batch_rows: int, signatures_to: 
     )
 
 
-def signatures_folder(out_dir: str) -> str:
+def signatures_folder(out_dir: str, staging: str | None = None, run_key: str = "") -> str:
     """Where the scans stage their signatures: .OUT.staging/dedup-signatures, beside OUT (a path on
-    a filesystem every worker shares; the band tasks read it through fsspec)."""
-    return str(staging_dir(out_dir) / SIGNATURES)
+    a filesystem every worker shares), removed with the staging area at commit; or, with `staging`
+    (`dedup.minhash.staging`, an fsspec URL), a folder of this run's own under it, named by OUT
+    and `run_key` (the stage's fingerprint): a rerun into the same OUT finds its own, and two runs
+    into two OUTs never share one."""
+    if staging is None:
+        return str(staging_dir(out_dir) / SIGNATURES)
+    name = hashlib.blake2b(f"{Path(out_dir).resolve()}\0{run_key}".encode(), digest_size=8).hexdigest()
+    return f"{staging.rstrip('/')}/{SIGNATURES}-{name}"
+
+
+def drop_signatures(folder: str) -> None:
+    """Remove a run's staged signatures once the stage has committed (an fsspec URL's folder; the
+    one beside OUT went with the staging area)."""
+    fs, path = fsspec.core.url_to_fs(folder)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
 
 
 def signatures_file(folder: str, index: int) -> str:
