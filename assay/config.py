@@ -597,12 +597,36 @@ class DedupParams:
 VECTOR_BACKENDS = ("local", "weaviate")
 
 
+#: Names a dataset folder itself uses (assay.shards, assay.staging, the stages' extra streams): the
+#: local vector store must not take one, or the commit would mix the two or fail on a folder.
+_DATASET_NAMES = ("manifest.json", "decisions", "quarantine", "embeddings")
+
+
+def _store_folder(key: str, value: str) -> str:
+    """`value` if it names a folder inside the dataset folder that the dataset does not use itself.
+
+    The store is written into the staging copy of the dataset and read from the published one, so
+    only a path inside the dataset is the same folder for both and travels with it (an absolute or
+    `..` path would land elsewhere, be deleted with the staging folder, or be shared by datasets).
+    """
+    path = Path(value)
+    if not path.parts or path.is_absolute() or ".." in path.parts:
+        raise AssayError(f"params: {key} = {value!r} should be a folder inside the dataset, such as vectors "
+                         "(a relative path, without ..)")
+    first = path.parts[0]
+    if first in _DATASET_NAMES or (first.startswith("part-") and first.endswith(".parquet")):
+        raise AssayError(f"params: {key} = {value!r} names what the dataset itself holds "
+                         f"({', '.join(_DATASET_NAMES)}, part-*.parquet); choose another folder, such as vectors")
+    return value
+
+
 @dataclass
 class VectorParams:
     """The vector store and knowledge graph: "local" (default) or "weaviate"."""
 
     backend: str = "local"
-    #: Local store directory; relative paths are under the dataset directory.
+    #: The local store's folder, relative to the dataset folder and inside it (no absolute path, no ..),
+    #: so that it travels with its dataset and each dataset has its own.
     local_path: str = "vectors"
     #: Above this many vectors the local store builds an HNSW index (approximate).
     exact_max: int = 100_000
@@ -610,6 +634,9 @@ class VectorParams:
     weaviate_url: str | None = None
     batch_size: int = 200
     collection_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        _store_folder("vectors.local_path", self.local_path)
 
 
 #: `train.model.attention`'s choices (training.model.ModelArgs builds each).

@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA
 from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, iter_batches, list_shards, open_shard, read_manifest,
-                          read_shard, require_dataset, require_documents)
+                          read_shard, require_documents)
 
 
 def find_document(directory: str | Path, doc_id: str) -> dict[str, Any] | None:
@@ -48,7 +48,10 @@ def why(doc_id: str, directories: list[str | Path]) -> list[dict[str, Any]]:
     story = []
     seen: set[Path] = set()
     for directory in directories:
-        require_dataset(directory)
+        # Documents, as `show` asks: a decisions/ or scores folder is a dataset to require_dataset
+        # (part-*.parquet), and reading its missing decisions/ said "no decisions about ID".
+        # A stage's output that kept nothing has no shard and passes.
+        require_documents(directory)
         resolved = Path(directory).resolve()
         if resolved in seen:  # one dataset given twice (`--data X --data X/`, or through a link): its decisions once
             continue

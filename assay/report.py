@@ -156,6 +156,8 @@ def stage_summary(manifest: dict[str, Any]) -> None:
     for key in ("embedded", "lang_corrected"):
         if key in counts:
             table.add_row(key, f"{counts[key]:,}")
+    if counts.get("not_scored"):  # tier 2 kept these unjudged: it had no signal for them
+        table.add_row("not scored (kept unjudged)", f"{counts['not_scored']:,}")
     # What the stage's own rules say of its input: a description, not a measurement
     # (the labelled effective-code ratio is bench/labelled_code.py's).
     ratio = manifest.get("rule_clean_share")

@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
+from assay.staging import overlaps, require_not_dangling
 from assay.lineage import scores_behind
 from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, list_shards,
                           open_shard, read_shard)
@@ -112,6 +113,60 @@ def _json(path: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
+    except IsADirectoryError:
+        raise AssayError(f"{path}: is a directory, not the JSON file expected there") from None
+
+
+#: The report's own `summary.json` says so; reports written before it said so are known by their keys.
+REPORT_FORMAT = "assay-report/1"
+LABELLED_FORMAT = "assay-labelled-code/1"
+
+
+def _earlier_report(out: Path) -> bool:
+    summary = out / "summary.json"
+    try:
+        found = json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and (found.get("format") == REPORT_FORMAT or {"page", "sections", "charts"} <= found.keys())
+
+
+def require_report_out(inputs: ReportInputs, out: Path) -> None:
+    """Refuse an OUT whose report would land in a pipeline input (a dataset, a run, the models; its
+    DVC hash would change) or replace files that are not an earlier report's: the report writes
+    OUT/index.html, OUT/summary.json and OUT/why/, and keeps whatever else OUT holds."""
+    require_not_dangling(out)
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: exists and is not a directory")
+    for stage, folder in [*((s.attr, p) for s, p in inputs.stage_dirs()), ("round0", inputs.round0),
+                          ("round1", inputs.round1), ("models", inputs.models)]:
+        overlap = overlaps(out, folder)
+        if overlap:
+            raise AssayError(f"{out}: {overlap} the report's input {folder} (--{stage}); choose a folder of its own")
+    ours = [name for name in (PAGE, "summary.json", WHY_DIR) if (out / name).exists()]
+    if ours and not _earlier_report(out):
+        raise AssayError(f"{out}: holds {', '.join(ours)}, not an earlier Assay report's, which the report would "
+                         "replace; choose another --out")
+
+
+def require_labelled_out(inputs: ReportInputs) -> None:
+    """`--measure-labelled` writes its measurement over `--labelled`: only over an earlier one."""
+    path = inputs.labelled
+    require_not_dangling(path)
+    if path.is_dir():
+        raise AssayError(f"{path}: is a directory, not the labelled-code measurement (a JSON file)")
+    for stage, folder in [*((s.attr, p) for s, p in inputs.stage_dirs()), ("round0", inputs.round0),
+                          ("round1", inputs.round1), ("models", inputs.models)]:
+        if overlaps(path, folder):
+            raise AssayError(f"{path}: lies inside the report's input {folder} (--{stage}); choose another --labelled")
+    if path.exists():
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):
+            found = None
+        if not isinstance(found, dict) or found.get("format") != LABELLED_FORMAT:
+            raise AssayError(f"{path}: holds something other than a labelled-code measurement, which "
+                             "--measure-labelled would replace; choose another --labelled")
 
 
 def _manifest(directory: Path) -> dict[str, Any] | None:
@@ -602,7 +657,7 @@ def measure_labelled_code(model: Path, params_file: str | None = None, seed: int
             generated = int(verdicts.generated[idx].sum())
             mixes.append({"split": split, "share": share, "files": int(len(idx)), "generated": generated,
                           "before": before, "rows": [dataclasses.asdict(r) for r in rows]})
-    return {"format": "assay-labelled-code/1", "seed": seed, "model": str(model),
+    return {"format": LABELLED_FORMAT, "seed": seed, "model": str(model),
             "model_fingerprint": file_fingerprint(model), "languages": scorer.languages,
             "min_perplexity": params.model.min_perplexity,
             "max_literal_line_fraction": params.rules.max_literal_line_fraction,
@@ -623,7 +678,9 @@ def _labelled_section(inputs: ReportInputs) -> Section:
     except FileNotFoundError:
         measured, mixes = None, None
         section.missing(f"the labelled measurement {inputs.labelled}", how)
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+    except IsADirectoryError:
+        raise AssayError(f"{inputs.labelled}: is a directory, not the JSON file expected there (--labelled)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         measured, mixes = None, None
         section.missing(f"a readable labelled measurement ({inputs.labelled}: {exc})", how)
     if mixes:
@@ -1035,8 +1092,7 @@ def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int
     if examples_per_reason < 0:
         raise AssayError(f"examples per reason must be >= 0, got {examples_per_reason}")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: exists and is not a directory")
+    require_report_out(inputs, out)
     require_stage_outputs(inputs)
     out.mkdir(parents=True, exist_ok=True)
     thresholds, dropped = dynamic_thresholds(inputs.curated)
@@ -1052,7 +1108,7 @@ def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int
             f"<h1>Assay report</h1><p>Written {created} by <code>assay report</code>; works offline.</p>"
             f"<nav>{nav}</nav>{body}</body></html>")
     atomic_write_bytes(out / PAGE, page.encode("utf-8"))
-    summary = {"page": str(out / PAGE), "created_at": created, "bytes": len(page.encode("utf-8")),
+    summary = {"format": REPORT_FORMAT, "page": str(out / PAGE), "created_at": created, "bytes": len(page.encode("utf-8")),
                "sections": {s.key: {"title": s.title, "charts": s.charts,
                                     "missing": sum('class="missing"' in p for p in s.parts)} for s in sections},
                "charts": [c for s in sections for c in s.charts]}

@@ -171,10 +171,18 @@ def own_output(out: Path, fmt: str, what: str) -> dict | None:
     return None
 
 
+def require_not_dangling(out: Path) -> None:
+    """A symbolic link to nothing is neither a folder to write into nor a name free to take."""
+    if out.is_symlink() and not out.exists():
+        raise AssayError(f"{out}: is a symbolic link to nothing ({os.readlink(out)}); create what it names, "
+                         "or choose another --out")
+
+
 def require_model_out(out: Path, inputs: Sequence[str | os.PathLike], what: str, ours: Callable[[Path], bool]) -> None:
     """Refuse, before any training, a model's `out` that saving would break or destroy: a file, an
     input (or a folder holding one, or inside one), or a folder holding anything but an earlier
     model of this kind (`ours(out)`), which saving replaces whole."""
+    require_not_dangling(out)
     if out.exists() and not out.is_dir():
         raise AssayError(f"{out}: is a file, not a directory; choose another --out")
     for source in inputs:
@@ -200,11 +208,13 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
     - a staging folder left by a killed run of the same inputs is resumed.
     """
     out = Path(out_dir)
-    found = own_output(out, DATASET_FORMAT, "an Assay dataset")
-    for source in inputs:
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    for source in inputs:  # first: "is the input" says more than "is not a dataset"
         overlap = overlaps(out, Path(source))
         if overlap:
             raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
+    found = own_output(out, DATASET_FORMAT, "an Assay dataset")
     staging = staging_dir(out)
     if found is not None:
         previous = found.get("fingerprint")

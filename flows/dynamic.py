@@ -12,7 +12,8 @@ from prefect.cache_policies import NO_CACHE
 from assay.config import load_params
 from assay.shards import read_manifest
 from assay.stages.dynamic import (STAGE, dynamic_unit, read_run_telemetry, read_scores, require_same_signals,
-                                  require_signals, signals_fingerprint, verdicts)
+                                  require_scores_of_input, require_scores_of_run, require_signals,
+                                  signals_fingerprint, verdicts)
 from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
@@ -33,6 +34,10 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     started = time.perf_counter()
     params = load_params(params_file)
     units = plan_shards(input_dir)
+    # Before any work and before the up-to-date check, so that an output made of mismatched signals is
+    # refused rather than answered "up to date".
+    require_scores_of_run(scores_dir, run_dir)
+    require_scores_of_input(scores_dir, [u.shard for u in units], input_dir)
     section = {"dynamic": dataclasses.asdict(params.dynamic), "io": dataclasses.asdict(params.io)}
     section["signals"] = signals_fingerprint(scores_dir, run_dir)
     fingerprint = stage_fingerprint(units, section)

@@ -388,3 +388,36 @@ def test_show_and_why_keep_each_line_whole_off_a_terminal(tmp_path):
         assert any(long_id in line for line in lines), lines
         if args[0] == "show":
             assert text in lines, lines  # the document's own line, not re-wrapped
+
+
+def test_why_refuses_a_decisions_scores_or_run_folder_as_show_does(ingested, tmp_path):
+    """`why ID --data data/raw/decisions` (or a run's scores/) said "no decisions about ID in the given
+    datasets" (rc 1), as if the dataset had judged no such document; `show` names what the folder is."""
+    import pyarrow.parquet as pq
+
+    from assay.schema import SCORE_SCHEMA
+
+    out = ingested["out"]
+    scores = tmp_path / "run" / "scores"
+    scores.mkdir(parents=True)
+    pq.write_table(SCORE_SCHEMA.empty_table(), scores / "part-00000.parquet")
+    (scores / "manifest.json").write_text(json.dumps({"format": "assay-scores/1", "shards": ["part-00000.parquet"]}))
+    (tmp_path / "run" / "metrics.json").write_text("{}\n")
+    for folder, says in ((out / "decisions", f"give the dataset that holds it, {out}"),
+                         (scores, "no 'id' or 'text' column (it has: step, sample_id"),
+                         (tmp_path / "run", "not an Assay dataset")):
+        for command in ("show", "why"):
+            line = _one_line_error(run(command, "r1", "--data", folder, check=False), f"{folder}: ", says)
+            assert "no decisions about" not in line
+        # Also when it comes after a dataset that holds the document's decisions.
+        _one_line_error(run("why", "r1", "--data", out, "--data", folder, check=False), f"{folder}: ", says)
+
+    # What why reads still reads: a stage's output that kept nothing (no shard) tells its drops.
+    empty = shutil.copytree(out, tmp_path / "kept-nothing")
+    for shard in empty.glob("part-*.parquet"):
+        shard.unlink()
+    manifest = json.loads((empty / "manifest.json").read_text())
+    (empty / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
+    bad = document_id("records.jsonl", "line:4")
+    story = json.loads(run("why", bad, "--data", empty, "--data", out, "--json").stdout)
+    assert [row["reason"] for row in story] == ["invalid:json", "invalid:json"]

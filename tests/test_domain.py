@@ -444,8 +444,10 @@ def test_a_model_out_that_is_not_a_model_is_refused_before_training(tmp_path):
     project.mkdir()
     (project / "notes.txt").write_text("keep me\n")
     (project / "config.json").write_text("{}")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     cases = {tmp_path / "afile": "is a file, not a directory", raw: "is the input", raw / "model": "lies inside the input",
-             tmp_path: "holds the input", project: "holds something other than"}
+             tmp_path: "holds the input", project: "holds something other than",
+             tmp_path / "dangling": "symbolic link to nothing"}
 
     def snapshot():
         return sorted((str(f.relative_to(tmp_path)), f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file())
@@ -470,3 +472,18 @@ def test_a_model_out_that_is_not_a_model_is_refused_before_training(tmp_path):
     require_model_out(tmp_path / "old-head", [str(raw)], "a quality head", lambda f: (f / WEIGHTS).is_file())
     with pytest.raises(AssayError, match="holds something other than a quality head"):
         require_model_out(tmp_path / "old-domain", [str(raw)], "a quality head", lambda f: (f / WEIGHTS).is_file())
+
+    # Through a symbolic link to an earlier model: trained, then saved where the link points (it trained
+    # in full, then failed to rename over the link, leaving .NAME.tmp behind).
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["domain"]["train"].update(reference_sources=["refsrc"], n_layer=1, n_head=2, n_embd=32, context=64, steps=2,
+                                     batch_size=2, vocab_size=300)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "refsrc").mkdir()
+    for name in ("bisect.py", "heapq.py", "colorsys.py", "textwrap.py", "shlex.py"):
+        shutil.copy(STDLIB / name, tmp_path / "refsrc" / name)
+    ingest_flow([str(tmp_path / "refsrc")], str(tmp_path / "raw-more"))
+    (tmp_path / "link").symlink_to("old-domain")
+    domain_model_flow(str(tmp_path / "raw-more"), str(tmp_path / "link"), params_file=str(tmp_path / "tiny.yaml"))
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "old-domain" / "config.json").is_file()
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -565,3 +565,81 @@ def test_every_reason_names_the_scores_behind_it():
                      "dynamic:alignment_stratum_high", "dynamic:loss_high", "dynamic:loss_low", "dynamic:grad_norm_high",
                      "dynamic:skipped_step", "dynamic:repeat_anomaly", "dynamic:not_learning"}, fired
     assert evidence("gopher_quality:word_count") == () and evidence("dynamic:") == ()
+
+
+# ------------------------------------------------------------------ scores of another run or dataset
+def tiny_scored_run(root: Path, name: str, prefix: str) -> tuple[Path, Path]:
+    """A dataset of 8 documents, a 2-step run `name` trained on it and its scores (`name`/scores):
+    a real run and a real scoring pass, in seconds rather than planted_round0's 40."""
+    from assay.config import ScoringParams, TrainModelParams, TrainParams
+    from assay.versions import open_version
+    from training.score import score_dataset
+    from training.trainer import train
+
+    ids = [f"{prefix}{i}" for i in range(8)]
+    data = write_dataset(root / f"data-{name}", ids, ["text"] * len(ids))
+    params = TrainParams(model=TrainModelParams(dim=16, n_layers=1, n_heads=2, ffn_hidden=32), vocab_size=300,
+                         seq_len=16, batch_size=4, steps=2, checkpoint_every=2, holdout=0.0, eval_rows=4, device="cpu")
+    train(open_version(data), root / name, params, progress=False)
+    score_dataset(root / name, data, root / name / "scores", ScoringParams(
+        reference={"tests": 0.5}, strata="all", min_stratum_docs=1, components="none", device="cpu"), progress=False)
+    return data, root / name
+
+
+@pytest.fixture(scope="module")
+def two_scored_runs(tmp_path_factory):
+    """r0 trained and scored on documents a0..a7, r1 on b0..b7; a test that moves one copies it first."""
+    root = tmp_path_factory.mktemp("two-runs")
+    (root / "params.yaml").write_text("dynamic: {}\n")
+    return {"params": root / "params.yaml", "r0": tiny_scored_run(root, "r0", "a"), "r1": tiny_scored_run(root, "r1", "b")}
+
+
+def test_scores_of_another_model_are_refused_and_a_moved_run_is_not(two_scored_runs, tmp_path, prefect_harness):
+    """runs/r0copy, retrained on other data with r0's scores/ still inside, was accepted with
+    `--run runs/r0copy`: tier 2 filtered by another model's signals. The check is by content, so a
+    run that was renamed (its scores' manifest naming the old path) still passes."""
+    from flows.dynamic import dynamic_flow
+
+    data, run0 = two_scored_runs["r0"]
+    params = str(two_scored_runs["params"])
+    retrained = shutil.copytree(two_scored_runs["r1"][1], tmp_path / "r0copy", ignore=shutil.ignore_patterns("scores"))
+    shutil.copytree(run0 / "scores", retrained / "scores")
+    out = tmp_path / "curated"
+    with pytest.raises(AssayError, match=r"r0copy/scores: scored with another model than .*r0copy's") as caught:
+        dynamic_flow(str(data), str(retrained / "scores"), str(retrained), str(out), params_file=params)
+    assert "\n" not in str(caught.value) and not out.exists()
+    with pytest.raises(AssayError, match=r"has no checkpoints/step-00000002"):
+        dynamic_flow(str(data), str(run0 / "scores"), str(tmp_path / "nothing"), str(out), params_file=params)
+
+    renamed = shutil.copytree(run0, tmp_path / "renamed")
+    manifest = dynamic_flow(str(data), str(renamed / "scores"), str(renamed), str(out), params_file=params)
+    assert manifest["counts"]["input"] == 8 and manifest["counts"]["not_scored"] == 0
+
+
+def test_scores_of_another_dataset_are_refused_and_unscored_documents_are_shown(two_scored_runs, tmp_path,
+                                                                                 prefect_harness, monkeypatch):
+    """Scores of another dataset kept every document as "not scored" with exit 0, and the summary
+    never showed the count: a run with nothing judged looked normal."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from assay import report
+    from flows.dynamic import dynamic_flow
+
+    _, run0 = two_scored_runs["r0"]
+    other, _ = two_scored_runs["r1"]
+    params = str(two_scored_runs["params"])
+    with pytest.raises(AssayError, match=r"r0/scores: scores none of the 8 documents of .*data-r1") as caught:
+        dynamic_flow(str(other), str(run0 / "scores"), str(run0), str(tmp_path / "cur-other"), params_file=params)
+    assert "\n" not in str(caught.value) and not (tmp_path / "cur-other").exists()
+
+    ids = [f"a{i}" for i in range(4)] + [f"new{i}" for i in range(3)]  # partly scored: judged, and said
+    partial = write_dataset(tmp_path / "partial", ids, ["text"] * len(ids))
+    manifest = dynamic_flow(str(partial), str(run0 / "scores"), str(run0), str(tmp_path / "cur"), params_file=params)
+    assert manifest["counts"]["not_scored"] == 3
+    printed = io.StringIO()
+    monkeypatch.setattr(report, "console", Console(file=printed, width=120))
+    report.stage_summary(manifest)
+    assert re.search(r"not scored.* 3 ", printed.getvalue()), printed.getvalue()

@@ -138,3 +138,72 @@ def test_export_never_deletes_the_run_or_a_folder_that_is_not_an_export(run_dir,
     state_file.write_text(json.dumps(state))
     with pytest.raises(AssayError, match="sparse attention cannot be exported"):
         export_run(sparse, tmp_path / "sparse-out")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_export_through_a_symlinked_out_writes_where_it_points_and_keeps_the_link(run_dir, tmp_path):
+    """A symlinked --out was an internal error (rmtree refuses a link), and a dangling one a FileExistsError."""
+    export_run(run_dir, tmp_path / "exp1")
+    (tmp_path / "explink").symlink_to("exp1")
+    assert export_run(run_dir, tmp_path / "explink", overwrite=True)["step"] == 8
+    assert (tmp_path / "explink").is_symlink() and (tmp_path / "exp1" / "config.json").is_file()
+    (tmp_path / "emptyd").mkdir()
+    (tmp_path / "elink").symlink_to(tmp_path / "emptyd")
+    export_run(run_dir, tmp_path / "elink")
+    assert (tmp_path / "elink").is_symlink() and (tmp_path / "emptyd" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elink", "emptyd", "exp1", "explink"]  # no staging left
+
+    (tmp_path / "dangling").symlink_to("nowhere")
+    with pytest.raises(AssayError, match="dangling: is a symbolic link to nothing \\(nowhere\\)"):
+        export_run(run_dir, tmp_path / "dangling")
+    assert (tmp_path / "dangling").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_export_refuses_the_current_directory_before_deleting_anything(run_dir, tmp_path, monkeypatch):
+    """`cd exp1copy; assay export RUN --out . --overwrite` deleted the earlier export, then failed with
+    an internal OSError (rename of '.'); `--out ..` would have deleted the folder holding the cwd."""
+    export_run(run_dir, tmp_path / "exp1")
+    copy = shutil.copytree(tmp_path / "exp1", tmp_path / "exp1copy", symlinks=True)
+    before = _files(copy)
+    monkeypatch.chdir(copy)
+    for out in (".", "..", str(copy)):
+        with pytest.raises(AssayError, match="is or holds the current directory"):
+            export_run(run_dir, out, overwrite=True)
+    assert _files(copy) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([ASSAY, "export", str(run_dir), "--out", "."], capture_output=True, text=True, cwd=empty)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "assay: error: .: is or holds the current directory, which the export would replace; choose another "
+        "--out, such as a new folder's name"], proc.stderr
+    assert list(empty.iterdir()) == []
+
+
+def test_the_earlier_export_stays_whole_until_the_new_one_is_written(run_dir, tmp_path, monkeypatch):
+    """--overwrite deleted the earlier export before writing: a failure (or a kill) mid-write left none."""
+    import training.export
+
+    out = tmp_path / "exp"
+    export_run(run_dir, out)
+    before = _files(out)
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(training.export, "model_card", fail)  # after the weights are written
+    with pytest.raises(OSError, match="No space left"):
+        export_run(run_dir, out, overwrite=True)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # the failed write's staging is removed
+    monkeypatch.undo()
+
+    # A killed export's staging folder is cleared by the next one, which replaces the export whole.
+    (tmp_path / ".exp.staging" / "export").mkdir(parents=True)
+    (tmp_path / ".exp.staging" / "export" / "model.safetensors").write_bytes(b"half")
+    (out / "stale.txt").write_text("from the earlier export\n")
+    export_run(run_dir, out, overwrite=True)
+    assert not (out / "stale.txt").exists() and _files(out)["model.safetensors"] == before["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -1157,3 +1158,21 @@ def test_a_symlinked_directory_is_counted_at_planning(tmp_path):
     (root / "a" / "f.txt").unlink()
     units = plan([str(root)], IngestOptions())
     assert [(u.files, u.skipped) for u in units] == [((), skipped)]
+
+
+def test_an_empty_source_is_refused_not_read_as_the_current_directory(tmp_path, monkeypatch):
+    """Path("") is ".": `assay ingest "$SRC" --out ...` with SRC unset ingested every file of the cwd."""
+    from assay.ingest.plan import IngestOptions, plan
+    from flows.ingest import run_ingest
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("a document\n")
+    (tmp_path / "notes.txt").write_text("the user's own file\n")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("", "  ", "\t"):
+        with pytest.raises(AssayError, match=re.escape(f"SOURCE is empty: {spec!r} ")):
+            plan([spec], IngestOptions())
+        # Refused before Prefect starts (no prefect_harness here), like a missing SOURCE.
+        with pytest.raises(AssayError, match="SOURCE is empty"):
+            run_ingest(["corpus", spec], str(tmp_path / "raw"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "notes.txt"]

@@ -483,3 +483,63 @@ def test_the_why_story_prints_what_a_tier2_reason_rests_on_first():
     printed = " ".join(captured.get().split())  # as one line, whatever the console's width
     assert ("scores: loss_z=5, loss_z_high_threshold=3.5, loss=9.1, alignment=0.02, alignment_threshold=0, "
             "loss_z_low_threshold=-3.5") in printed, printed
+
+
+def test_the_report_never_writes_into_an_input_nor_over_files_that_are_not_an_earlier_reports(tmp_path, prefect_harness):
+    """`assay report --out` wrote index.html, summary.json and why/ into any folder: a dataset (its
+    DVC hash changed), a run, or over a site's own index.html; `--measure-labelled --labelled FILE`
+    wrote over any file, a dataset's manifest.json included; `--labelled DIR` was an internal error.
+    Each is now one line before anything is written, and an earlier report is still replaced."""
+    from assay.report_html import require_labelled_out
+    from flows.report import report_flow
+
+    raw = tmp_path / "data/raw"
+    raw.mkdir(parents=True)
+    write_manifest(raw, {"format": "assay-dataset/1", "stage": "ingest", "counts": {"input_records": 0, "documents": 0}})
+    run = tmp_path / "runs/round-0"
+    run.mkdir(parents=True)
+    (run / "metrics.json").write_text("{}")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<h1>my homepage</h1>")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    nothing = tmp_path / "nothing"
+    inputs = ReportInputs(raw=raw, static=nothing, domain=nothing, dedup=nothing, curated=nothing, round0=run,
+                          round1=nothing, models=nothing, labelled=nothing / "labelled.json", repo=tmp_path)
+
+    def snapshot():
+        return sorted((str(f.relative_to(tmp_path)), f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file())
+
+    before = snapshot()
+    for out, said in ((raw, "is the report's input"), (run / "report", "lies inside the report's input"),
+                      (tmp_path, "holds the report's input"), (site, "holds index.html, not an earlier Assay report's"),
+                      (tmp_path / "dangling", "symbolic link to nothing")):
+        with pytest.raises(AssayError, match=said):
+            build_report(inputs, out, examples_per_reason=0)
+        assert snapshot() == before, out
+    # The labelled measurement's file: absent, or an earlier measurement; nothing else is written over.
+    for labelled, said in ((raw / "manifest.json", "lies inside the report's input"), (site / "index.html",
+                           "holds something other than a labelled-code measurement"), (tmp_path / "data", "is a directory")):
+        with pytest.raises(AssayError, match=said):
+            require_labelled_out(ReportInputs(**{**inputs.__dict__, "labelled": labelled}))
+    with pytest.raises(AssayError, match="is a directory, not the JSON file"):
+        build_report(ReportInputs(**{**inputs.__dict__, "labelled": tmp_path / "data"}), tmp_path / "r0", examples_per_reason=0)
+    (tmp_path / "earlier.json").write_text('{"format": "assay-labelled-code/1"}')
+    require_labelled_out(ReportInputs(**{**inputs.__dict__, "labelled": tmp_path / "earlier.json"}))
+    # The flow checks both before its minute-long measurement, which would need a domain model here.
+    before = snapshot()
+    with pytest.raises(AssayError, match="holds something other than a labelled-code measurement"):
+        report_flow(str(tmp_path / "r1"), raw=str(raw), static=str(nothing), domain=str(nothing), dedup=str(nothing),
+                    curated=str(nothing), round0=str(run), round1=str(nothing), models=str(nothing),
+                    labelled=str(site / "index.html"), repo=str(tmp_path), measure_labelled=True)
+    with pytest.raises(AssayError, match="is the report's input"):
+        report_flow(str(raw), raw=str(raw), round0=str(run), repo=str(tmp_path), measure_labelled=True)
+    assert snapshot() == before
+    # An earlier report, and a folder of other files, take the report; the other files stay.
+    first = build_report(inputs, tmp_path / "reports", examples_per_reason=0)
+    assert first["format"] == "assay-report/1"
+    build_report(inputs, tmp_path / "reports", examples_per_reason=0)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("mine")
+    build_report(inputs, tmp_path / "docs", examples_per_reason=0)
+    assert (tmp_path / "docs" / "notes.md").read_text() == "mine" and (tmp_path / "docs" / "index.html").is_file()

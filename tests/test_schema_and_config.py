@@ -170,3 +170,30 @@ def test_only_known_encodings_load():
     params = params_from_dict({"ingest": {"fallback_encodings": ["cp1252", "latin_1", "iso8859_15", "cp1250"]}})
     assert params.ingest.fallback_encodings[-1] == "cp1250"
     assert params_from_dict({"ingest": {"fallback_encodings": []}}).ingest.fallback_encodings == []
+
+
+@pytest.mark.parametrize("local_path", ["../../raw", "../vx", "vectors/../../x", "/tmp/shared-vectors", "", ".",
+                                        "part-00000.parquet", "manifest.json", "decisions", "quarantine/v",
+                                        "embeddings"])
+def test_the_local_vector_store_must_live_inside_its_dataset(local_path, tmp_path):
+    """Written into the staging copy but read from the published dataset, a path outside it landed in
+    another dataset (the input), vanished with the staging folder, or was shared by two datasets; a
+    name the dataset uses ended in IsADirectoryError or mixed the store into a stream."""
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump({"vectors": {"local_path": local_path}}), encoding="utf-8")
+    with pytest.raises(AssayError, match=r"vectors\.local_path") as caught:
+        load_params(params_file)
+    assert "\n" not in str(caught.value) and "vectors" in str(caught.value).split("such as")[-1]
+
+
+def test_a_local_vector_store_under_a_folder_of_the_dataset_opens_there(tmp_path, monkeypatch):
+    from assay.config import VectorParams
+    from assay.vectors.base import open_store
+
+    monkeypatch.delenv("WEAVIATE_URL", raising=False)
+    for local_path in ("vx", "./graph/vectors", "part-notes"):
+        params = params_from_dict({"vectors": {"local_path": local_path}}).vectors
+        with open_store(params, tmp_path / "data") as store:
+            assert store.path == tmp_path / "data" / Path(local_path)
+    with open_store(VectorParams(), tmp_path / "data") as store:
+        assert store.path == tmp_path / "data" / "vectors"

@@ -263,9 +263,10 @@ def test_an_out_that_is_not_a_run_is_one_line_and_left_as_it_was(stdlib_data, tm
     (project / "telemetry" / "mine.csv").write_text("a,b\n")
     (project / "metrics.json").write_text("{}")
     (project / "notes.txt").write_text("keep me\n")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     cases = {tmp_path / "afile": "is a file, not a directory", data: "is the dataset",
              data / "run": "lies inside the dataset", tmp_path: "holds the dataset",
-             project: "holds notes.txt, which no run writes"}
+             project: "holds notes.txt, which no run writes", tmp_path / "dangling": "symbolic link to nothing"}
     def snapshot():
         return sorted((str(f.relative_to(tmp_path)), f.read_bytes()) for f in tmp_path.rglob("*") if f.is_file())
     before = snapshot()

@@ -31,6 +31,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from assay.errors import AssayError
+from assay.shards import publish_directory, staging_dir
+from assay.staging import require_not_dangling
 from training.checkpoint import _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
 from training.model import ModelArgs, Transformer
 from training.tokenizer import EOS, PAD, load_tokenizer
@@ -144,13 +146,18 @@ def _is_export(folder: Path) -> bool:
 
 def _check_out(run: Path, out: Path, overwrite: bool) -> None:
     """Refuse an --out whose replacement would delete what it must not: the run itself (or a folder
-    holding it), a file, or any folder that is not an earlier export (`--out . --overwrite` would
-    otherwise delete the repository)."""
+    holding it), the current directory (or one holding it), a file, or any folder that is not an
+    earlier export (`--out . --overwrite` would otherwise delete the repository). A symlink to a
+    folder is followed: the export goes where it points."""
+    require_not_dangling(out)
     if out.exists() and not out.is_dir():
         raise AssayError(f"{out}: is a file, not a directory; choose another --out")
     if out.resolve() == run.resolve() or run.resolve().is_relative_to(out.resolve()):
         raise AssayError(f"{out}: is or holds the run {run}, which writing the export there would delete; "
                          "choose another --out")
+    if Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise AssayError(f"{out}: is or holds the current directory, which the export would replace; "
+                         "choose another --out, such as a new folder's name")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
@@ -182,17 +189,27 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = Fa
     if missing or unexpected:
         raise AssayError(f"internal: Llama names do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
     hf.eval()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    hf.save_pretrained(out)
-    _hf_tokenizer(tokenizer, model.args.max_seq_len).save_pretrained(out)
-    # transformers 5 names its fast-tokenizer class TokenizersBackend, which 4.x cannot resolve;
-    # both resolve PreTrainedTokenizerFast, so the export loads in either.
-    tok_config = out / "tokenizer_config.json"
-    tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
-                                      "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
-    (out / "README.md").write_text(model_card(model, trainer, metrics, provenance))
+    # Written in .NAME.staging beside where --out points (through a link), then swapped in whole: an
+    # earlier export stays intact until the new one is complete. A failed write removes the staging
+    # folder; a killed one leaves it, and the next export clears it.
+    staging = staging_dir(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    built = staging / "export"
+    try:
+        built.mkdir(parents=True)
+        hf.save_pretrained(built)
+        _hf_tokenizer(tokenizer, model.args.max_seq_len).save_pretrained(built)
+        # transformers 5 names its fast-tokenizer class TokenizersBackend, which 4.x cannot resolve;
+        # both resolve PreTrainedTokenizerFast, so the export loads in either.
+        tok_config = built / "tokenizer_config.json"
+        tok_config.write_text(json.dumps({**json.loads(tok_config.read_text()),
+                                          "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+        (built / "README.md").write_text(model_card(model, trainer, metrics, provenance))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_directory(built, out, staging / "previous")
+    shutil.rmtree(staging)
     return {"run": str(run), "out": str(out), "step": trainer["step"], "data": data,
             "parameters": sum(p.numel() for p in model.parameters()), "files": sorted(p.name for p in out.iterdir())}
 

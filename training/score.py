@@ -748,8 +748,11 @@ def _manifest(out: Path, fingerprint: str, version: DatasetVersion, run_dir: Pat
         "stage": "score",
         "created_at": datetime.now(timezone.utc).isoformat(),
         "fingerprint": fingerprint,
+        # The model by content (a moved run keeps it): `assay run dynamic` checks its --run against it.
         "inputs": {"dataset": version.identity(), "run": str(run_dir),
-                   "checkpoints": [{"step": c.step, "path": str(c.path)} for c in checkpoints],
+                   "tokenizer": file_fingerprint(run_dir / TOKENIZER_FILE),
+                   "checkpoints": [{"step": c.step, "path": str(c.path), "fingerprint": file_fingerprint(c.path)}
+                                   for c in checkpoints],
                    "reference_model": params.reference_model},
         "params": dataclasses.asdict(params),
         "reference": {

@@ -41,7 +41,7 @@ from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json
-from assay.staging import overlaps
+from assay.staging import overlaps, require_not_dangling
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
 from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
@@ -219,6 +219,7 @@ def _require_one_version(version: DatasetVersion, every_rank: list[str]) -> None
 def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume: bool, overwrite: bool,
                  allow_data_change: bool) -> Path | None:
     """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
+    require_not_dangling(out)
     if out.exists() and not out.is_dir():
         raise AssayError(f"{out}: is a file, not a directory; choose another --out")
     overlap = overlaps(out, Path(version.path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -154,8 +155,9 @@ def train_domain_model(data: str | Path, out: str | Path, params: Params,
         "seconds": round(time.perf_counter() - started, 2),
         "trained_at": datetime.now(timezone.utc).isoformat(),
     }
-    # Written beside, then renamed: a killed run leaves no half-saved model.
-    out = Path(out)
+    # Written beside, then renamed: a killed run leaves no half-saved model. A symbolic link is
+    # saved through, where it points (the link itself stays), as a folder's other writers do.
+    out = Path(os.path.realpath(out))
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -199,7 +199,11 @@ def plan_hf(spec: str, options: IngestOptions) -> Unit:
 
 
 def check_source(spec: str, options: IngestOptions) -> None:
-    """Fail fast on a SOURCE that cannot be read: missing, or of unknown format."""
+    """Fail fast on a SOURCE that cannot be read: empty, missing, or of unknown format."""
+    if not spec.strip():
+        # Path("") is ".": an unset shell variable (`assay ingest "$SRC"`) would ingest the whole cwd.
+        raise AssayError(f"SOURCE is empty: {spec!r} (an unset shell variable?); name a directory, file, "
+                         "hf:PATH or 'demo' (. for the current directory)")
     if spec == DEMO_SOURCE or spec.startswith(HF_PREFIX):
         return
     path = Path(spec)

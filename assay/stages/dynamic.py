@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,9 @@ STAGE = "dynamic"
 #: The score column the stage appends to the documents it keeps.
 ALIGNMENT = "alignment"
 TELEMETRY_DIR = "telemetry"
+#: A run's checkpoints and tokenizer (training.checkpoint.CHECKPOINTS, training.tokenizer.TOKENIZER_FILE;
+#: named here so that the stage does not import torch to find them).
+CHECKPOINTS_DIR, TOKENIZER_FILE = "checkpoints", "tokenizer.json"
 NOT_SCORED = "not scored"
 REFERENCE = "reference set: never judged"
 
@@ -64,6 +67,57 @@ def require_signals(scores_dir: str | Path, run_dir: str | Path) -> None:
     """Fail with a clear message, before any work, when the scores or the telemetry are missing."""
     _score_parts(scores_dir)
     _telemetry_parts(run_dir)
+
+
+def _scores_manifest(scores_dir: str | Path) -> dict:
+    _score_parts(scores_dir)  # a finished pass, with a manifest that parses
+    return json.loads((Path(scores_dir) / MANIFEST).read_text())
+
+
+def require_scores_of_run(scores_dir: str | Path, run_dir: str | Path) -> None:
+    """Refuse scores computed with another model than `run_dir`'s (another run, or this folder
+    retrained since): tier 2 would judge documents by a model its telemetry is not of.
+
+    Compared by content (the fingerprints `assay score` records of each checkpoint and of the
+    tokenizer), not by the run's path, so a run that was moved or renamed still passes. Scores
+    whose manifest records none (written before it did, or by hand) are not checked.
+    """
+    manifest = _scores_manifest(scores_dir)
+    inputs = manifest.get("inputs") or {}
+    checkpoints = inputs.get("checkpoints") or []
+    if not checkpoints or "tokenizer" not in inputs or any("fingerprint" not in c for c in checkpoints):
+        return
+    run = Path(run_dir)
+    steps = ", ".join(str(c["step"]) for c in checkpoints)
+    for checkpoint in checkpoints:
+        name = Path(checkpoint["path"]).name
+        if not (run / CHECKPOINTS_DIR / name).is_dir():
+            raise AssayError(f"{scores_dir}: scored with the checkpoint(s) of step {steps} of {inputs.get('run')}, "
+                             f"and {run_dir} has no {CHECKPOINTS_DIR}/{name}; score {run_dir} "
+                             f"(`assay score --run {run_dir}`) or pass the run they are of")
+    now = [file_fingerprint(run / TOKENIZER_FILE)] + [file_fingerprint(run / CHECKPOINTS_DIR / Path(c["path"]).name)
+                                                     for c in checkpoints]
+    if now != [inputs["tokenizer"]] + [c["fingerprint"] for c in checkpoints]:
+        raise AssayError(f"{scores_dir}: scored with another model than {run_dir}'s (its checkpoint(s) of step "
+                         f"{steps} or its tokenizer differ from those the scores were computed with, from "
+                         f"{inputs.get('run')}); score {run_dir} again (`assay score --run {run_dir}`)")
+
+
+def require_scores_of_input(scores_dir: str | Path, shards: Sequence[str], input_dir: str | Path) -> None:
+    """Refuse scores that score none of the input's documents: scores of another dataset would keep
+    every document as "not scored". Only the id columns are read, and only until one is found;
+    a dataset's identity (its DVC or byte hash) would read every byte of it."""
+    scored = pc.unique(pa.concat_tables(
+        [pq.read_table(p, columns=["sample_id"]) for p in _score_parts(scores_dir)]).column(0))
+    documents = 0
+    for shard in shards:
+        ids = pq.read_table(shard, columns=["id"]).column(0)
+        if pc.any(pc.is_in(ids, value_set=scored)).as_py():
+            return
+        documents += len(ids)
+    if documents:
+        raise AssayError(f"{scores_dir}: scores none of the {documents:,} documents of {input_dir} (scores of "
+                         f"another dataset?); score it (`assay score --data {input_dir}`) or pass its scores")
 
 
 def signals_fingerprint(scores_dir: str | Path, run_dir: str | Path) -> dict[str, str]:

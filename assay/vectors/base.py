@@ -259,7 +259,8 @@ def open_store(params, dataset_dir: str | os.PathLike, *, read_only: bool = Fals
     """The configured store: Weaviate when WEAVIATE_URL is set, else `params.backend`.
 
     `params` is an `assay.config.VectorParams`. The local store lives at
-    `dataset_dir / params.local_path` (an absolute local_path is used as is). `read_only`: the
+    `dataset_dir / params.local_path`, always inside the dataset (VectorParams refuses an absolute
+    or `..` local_path, and the names the dataset itself uses). `read_only`: the
     local store is read as it is and never written: a query must not rebuild, clean or save a
     store that DVC tracks (nor remove a concurrent writer's unfinished generation), and a
     local store that does not exist is an error rather than an empty store.
@@ -269,9 +270,7 @@ def open_store(params, dataset_dir: str | os.PathLike, *, read_only: bool = Fals
     if backend == "local":
         from assay.vectors.local import POINTER, LocalVectorStore
 
-        path = Path(params.local_path)
-        if not path.is_absolute():
-            path = Path(dataset_dir) / path
+        path = Path(dataset_dir) / params.local_path
         if read_only and not (path / POINTER).is_file():
             raise AssayError(f"{dataset_dir}: holds no vector store ({path} has no {POINTER}); the graph is "
                              "written by `assay run dedup`")
