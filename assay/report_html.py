@@ -131,6 +131,12 @@ def _earlier_report(out: Path) -> bool:
     return isinstance(found, dict) and (found.get("format") == REPORT_FORMAT or {"page", "sections", "charts"} <= found.keys())
 
 
+def _input_folders(inputs: ReportInputs) -> list[tuple[str, Path]]:
+    """Each folder the report reads, with its option: the datasets, the runs and the models."""
+    return [*((stage.attr, folder) for stage, folder in inputs.stage_dirs()), ("round0", inputs.round0),
+            ("round1", inputs.round1), ("models", inputs.models)]
+
+
 def require_report_out(inputs: ReportInputs, out: Path) -> None:
     """Refuse an OUT whose report would land in a pipeline input (a dataset, a run, the models; its
     DVC hash would change) or replace files that are not an earlier report's: the report writes
@@ -138,11 +144,10 @@ def require_report_out(inputs: ReportInputs, out: Path) -> None:
     require_not_dangling(out)
     if out.exists() and not out.is_dir():
         raise AssayError(f"{out}: exists and is not a directory")
-    for stage, folder in [*((s.attr, p) for s, p in inputs.stage_dirs()), ("round0", inputs.round0),
-                          ("round1", inputs.round1), ("models", inputs.models)]:
+    for option, folder in _input_folders(inputs):
         overlap = overlaps(out, folder)
         if overlap:
-            raise AssayError(f"{out}: {overlap} the report's input {folder} (--{stage}); choose a folder of its own")
+            raise AssayError(f"{out}: {overlap} the report's input {folder} (--{option}); choose a folder of its own")
     ours = [name for name in (PAGE, "summary.json", WHY_DIR) if (out / name).exists()]
     if ours and not _earlier_report(out):
         raise AssayError(f"{out}: holds {', '.join(ours)}, not an earlier Assay report's, which the report would "
@@ -155,10 +160,9 @@ def require_labelled_out(inputs: ReportInputs) -> None:
     require_not_dangling(path)
     if path.is_dir():
         raise AssayError(f"{path}: is a directory, not the labelled-code measurement (a JSON file)")
-    for stage, folder in [*((s.attr, p) for s, p in inputs.stage_dirs()), ("round0", inputs.round0),
-                          ("round1", inputs.round1), ("models", inputs.models)]:
+    for option, folder in _input_folders(inputs):
         if overlaps(path, folder):
-            raise AssayError(f"{path}: lies inside the report's input {folder} (--{stage}); choose another --labelled")
+            raise AssayError(f"{path}: lies inside the report's input {folder} (--{option}); choose another --labelled")
     if path.exists():
         try:
             found = json.loads(path.read_text())
