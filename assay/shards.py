@@ -322,7 +322,7 @@ def require_dataset(directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     require_complete(directory)
     if not directory.is_dir():
-        raise AssayError(f"{directory}: no such dataset directory")
+        raise AssayError(f"{directory}: " + ("a file, not a dataset directory" if directory.exists() else "no such dataset directory"))
     if not (directory / MANIFEST).is_file() and not list_shards(directory):
         raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
     if (directory / MANIFEST).is_file():

@@ -186,7 +186,7 @@ def _no_shards(given: str, absolute: Path) -> AssayError:
 
 def _plain(given: str, absolute: Path, commit: str | None = None, *, modified: bool = False) -> DatasetVersion:
     if not absolute.is_dir():
-        raise AssayError(f"{given} is not a directory")
+        raise AssayError(f"{given}: " + ("a file, not a dataset directory" if absolute.exists() else "no such dataset directory"))
     names = _shard_names(os.listdir(absolute))
     if not names:
         raise _no_shards(given, absolute)

@@ -312,3 +312,22 @@ def test_a_gzip_bomb_streams_in_bounded_memory(tmp_path):
     assert result["docs"] == ["before the bomb", "after the bomb"]
     assert result["bad"] == [["bomb.jsonl.gz:2", "invalid:too_large"]]
     assert result["peak_mb"] < 400, result  # the decompressed line alone is 512 MiB
+
+
+def test_a_wrong_path_is_named_for_what_it_is(tmp_path):
+    """A file given where a dataset goes was "no such dataset directory" (stats, show, why) or "is not
+    a directory" for a missing one (train --data); a directory given as --labels was "no such labels
+    file". Each now says what the path is."""
+    from assay.errors import AssayError
+    from assay.quality.train import labelled_examples
+    from assay.shards import require_dataset
+    from assay.versions import open_version
+
+    (tmp_path / "f.txt").write_text("text\n")
+    for check in (require_dataset, open_version):
+        with pytest.raises(AssayError, match="f.txt: a file, not a dataset directory"):
+            check(tmp_path / "f.txt")
+        with pytest.raises(AssayError, match="nope: no such dataset directory"):
+            check(tmp_path / "nope")
+    with pytest.raises(AssayError, match="a directory, not a labels file"):
+        labelled_examples(tmp_path, None)

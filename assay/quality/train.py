@@ -152,7 +152,7 @@ def _read_table(path: Path) -> pa.Table:
 def labelled_examples(path: str | Path, data: str | Path | None) -> Examples:
     path = Path(path)
     if not path.is_file():
-        raise AssayError(f"{path}: no such labels file")
+        raise AssayError(f"{path}: " + ("a directory, not a labels file" if path.is_dir() else "no such labels file"))
     table = _read_table(path)
     names = table.column_names
     if "label" not in names or not ({"text", "id"} & set(names)):
