@@ -37,8 +37,8 @@ import pyarrow.parquet as pq
 from assay.errors import AssayError
 from assay.staging import overlaps, require_not_dangling
 from assay.lineage import scores_behind
-from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, list_shards,
-                          open_shard, read_shard)
+from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, json_object,
+                          list_shards, open_shard, read_shard)
 
 __all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "made_by",
            "measure_labelled_code", "require_stage_outputs", "why_stories"]
@@ -123,12 +123,8 @@ LABELLED_FORMAT = "assay-labelled-code/1"
 
 
 def _earlier_report(out: Path) -> bool:
-    summary = out / "summary.json"
-    try:
-        found = json.loads(summary.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and (found.get("format") == REPORT_FORMAT or {"page", "sections", "charts"} <= found.keys())
+    found = json_object(out / "summary.json")
+    return found is not None and (found.get("format") == REPORT_FORMAT or {"page", "sections", "charts"} <= found.keys())
 
 
 def _input_folders(inputs: ReportInputs) -> list[tuple[str, Path]]:
@@ -164,11 +160,8 @@ def require_labelled_out(inputs: ReportInputs) -> None:
         if overlaps(path, folder):
             raise AssayError(f"{path}: lies inside the report's input {folder} (--{option}); choose another --labelled")
     if path.exists():
-        try:
-            found = json.loads(path.read_text())
-        except (OSError, ValueError):
-            found = None
-        if not isinstance(found, dict) or found.get("format") != LABELLED_FORMAT:
+        found = json_object(path)
+        if found is None or found.get("format") != LABELLED_FORMAT:
             raise AssayError(f"{path}: holds something other than a labelled-code measurement, which "
                              "--measure-labelled would replace; choose another --labelled")
 

@@ -476,6 +476,16 @@ def count_rows(directory: str | os.PathLike) -> int:
     return sum(open_shard(s, s).metadata.num_rows for s in list_shards(directory))
 
 
+def json_object(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when there is none to trust: absent, unreadable, not UTF-8,
+    not JSON, or not an object. For asking whether a file is one of ours before writing over it."""
+    try:
+        found = json.loads(Path(path).read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     try:

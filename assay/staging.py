@@ -39,6 +39,7 @@ from assay.shards import (
     QUARANTINE_DIR,
     ShardWriter,
     atomic_write_json,
+    json_object,
     publish_directory,
     remove_temporaries,
     shard_name,
@@ -159,16 +160,23 @@ def own_output(out: Path, fmt: str, what: str) -> dict | None:
         raise AssayError(f"{out}: is a file, not a directory; choose another --out")
     manifest = out / MANIFEST
     if manifest.is_file():
-        try:
-            found = json.loads(manifest.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            found = None
-        if not isinstance(found, dict) or found.get("format") != fmt:
+        found = json_object(manifest)
+        if found is None or found.get("format") != fmt:
             raise AssayError(f"{out}: its {MANIFEST} is not {what}'s; choose another --out")
         return found
     if out.is_dir() and any(out.iterdir()):
         raise AssayError(f"{out}: exists and is not {what}; choose another --out")
     return None
+
+
+def require_outside(out: Path, inputs: Sequence[str | os.PathLike]) -> None:
+    """Refuse an `out` that is a file, or is, holds or lies inside one of the run's `inputs`."""
+    if out.exists() and not out.is_dir():
+        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    for source in inputs:
+        overlap = overlaps(out, Path(source))
+        if overlap:
+            raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
 
 
 def require_not_dangling(out: Path) -> None:
@@ -183,12 +191,7 @@ def require_model_out(out: Path, inputs: Sequence[str | os.PathLike], what: str,
     input (or a folder holding one, or inside one), or a folder holding anything but an earlier
     model of this kind (`ours(out)`), which saving replaces whole."""
     require_not_dangling(out)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
-    for source in inputs:
-        overlap = overlaps(out, Path(source))
-        if overlap:
-            raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
+    require_outside(out, inputs)
     if out.is_dir() and any(out.iterdir()) and not ours(out):
         raise AssayError(f"{out}: holds something other than {what}, which saving would replace; "
                          "choose another --out")
@@ -208,12 +211,7 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
     - a staging folder left by a killed run of the same inputs is resumed.
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
-    for source in inputs:  # first: "is the input" says more than "is not a dataset"
-        overlap = overlaps(out, Path(source))
-        if overlap:
-            raise AssayError(f"{out}: {overlap} the input {source}; choose an --out outside every input")
+    require_outside(out, inputs)  # first: "is the input" says more than "is not a dataset"
     found = own_output(out, DATASET_FORMAT, "an Assay dataset")
     staging = staging_dir(out)
     if found is not None:

@@ -40,7 +40,7 @@ from torch import nn
 from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
-from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json
+from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
 from assay.staging import overlaps, require_not_dangling
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
@@ -267,11 +267,8 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
 def _assay_output(folder: Path) -> bool:
     """A folder another stage wrote beside a run, such as `assay score`'s default `RUN/scores`: it
     stays when the run is replaced (DVC removes the run's own outputs, not the next stage's)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("assay-")
+    manifest = json_object(folder / MANIFEST)
+    return manifest is not None and str(manifest.get("format", "")).startswith("assay-")
 
 
 def _wipe(out: Path) -> None:
