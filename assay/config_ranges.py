@@ -45,7 +45,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "domain.model.window": AT_LEAST_1,
     "domain.model.batch_size": AT_LEAST_1,
     "domain.train.steps": AT_LEAST_1,
-    "domain.train.vocab_size": (2, None),
+    "domain.train.vocab_size": (257, None),  # the 256 byte tokens and EOS: below, 257 are made anyway
     "domain.train.n_layer": AT_LEAST_1,
     "domain.train.n_head": AT_LEAST_1,
     "domain.train.n_embd": AT_LEAST_1,
@@ -75,7 +75,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "train.tokenizer_chars": AT_LEAST_1,
     "train.telemetry.spike_window": AT_LEAST_1,
     "train.telemetry.spike_min_history": AT_LEAST_1,
-    "train.vocab_size": (2, None),
+    "train.vocab_size": (260, None),  # the 256 byte tokens and the specials: the tokenizer refuses fewer
     "train.seq_len": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
     "train.steps": AT_LEAST_1,

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.staging import overlaps, require_not_dangling
+from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.lineage import scores_behind
 from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, json_object,
                           list_shards, open_shard, read_shard)
@@ -102,6 +102,10 @@ STAGE_INPUT = {"static": "raw", "domain": "static", "dedup": "domain", "dynamic"
 TRAIN_COMMAND = {"round0": "assay train --data data/dedup --out runs/round-0  (or `dvc repro train`)",
                  "round1": "assay train --data data/curated --out runs/round-1  (or `dvc repro train-1`)"}
 SCORE_COMMAND = "assay score --run runs/round-0 --data data/dedup --out runs/round-0/scores  (or `dvc repro score`)"
+#: What each input folder's option names, for the error when it is given something else.
+FOLDER_OPTIONS = {**{stage.attr: f"the {stage.name} stage's output folder" for stage in STAGES},
+                  "round0": "round 0's training run folder", "round1": "round 1's training run folder",
+                  "models": "the folder of the trained models (holding domain/)"}
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
@@ -138,8 +142,7 @@ def require_report_out(inputs: ReportInputs, out: Path) -> None:
     DVC hash would change) or replace files that are not an earlier report's: the report writes
     OUT/index.html, OUT/summary.json and OUT/why/, and keeps whatever else OUT holds."""
     require_not_dangling(out)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: exists and is not a directory")
+    require_folder_or_absent(out)
     for option, folder in _input_folders(inputs):
         overlap = overlaps(out, folder)
         if overlap:
@@ -190,8 +193,12 @@ def made_by(directory: Path) -> str | None:
 
 
 def require_stage_outputs(inputs: ReportInputs) -> None:
-    """Refuse a stage option given another stage's output (`--static data/raw`): the page drew ingest's
-    decisions as tier 1's, labelled tier 1. Checked before anything is read or written."""
+    """Refuse an input folder's option given a file (`--raw FILE`: the Inputs table called it
+    "present", the sections found nothing in it), and a stage option given another stage's output
+    (`--static data/raw`: the page drew ingest's decisions as tier 1's, labelled tier 1). Checked
+    before anything is read or written."""
+    for option, folder in _input_folders(inputs):
+        require_folder_or_absent(folder, f"--{option} takes {FOLDER_OPTIONS[option]}")
     for stage, directory in inputs.stage_dirs():
         found = made_by(directory)
         if found is not None and found != stage.name:

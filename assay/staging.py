@@ -156,8 +156,7 @@ def own_output(out: Path, fmt: str, what: str) -> dict | None:
     """The manifest of `out` when it is an output of ours of format `fmt`; None when `out` is absent or
     an empty folder. Anything else is never written into: a file, a folder of another tool's files, or
     one whose manifest is not ours (not JSON, not UTF-8, not an object, another format) is an error."""
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    require_folder_or_absent(out)
     manifest = out / MANIFEST
     if manifest.is_file():
         found = json_object(manifest)
@@ -169,10 +168,19 @@ def own_output(out: Path, fmt: str, what: str) -> dict | None:
     return None
 
 
+def require_folder_or_absent(path: Path, remedy: str = "choose another --out") -> None:
+    """Refuse a `path` that exists and is not a folder (a file, a FIFO, a link to either), before any
+    work: every output is a folder written into, or made, at `path`, and a file there is the user's,
+    which a command must neither write over nor fail on halfway with a raw NotADirectoryError.
+    `remedy` says what to change (default: the --out). A link to a folder is one; a link to nothing
+    does not exist here and passes: :func:`require_not_dangling` refuses it where it matters."""
+    if path.exists() and not path.is_dir():
+        raise AssayError(f"{path}: is a file, not a directory; {remedy}")
+
+
 def require_outside(out: Path, inputs: Sequence[str | os.PathLike]) -> None:
     """Refuse an `out` that is a file, or is, holds or lies inside one of the run's `inputs`."""
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    require_folder_or_absent(out)
     for source in inputs:
         overlap = overlaps(out, Path(source))
         if overlap:

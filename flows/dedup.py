@@ -30,6 +30,7 @@ from assay.stages.dedup import (
 )
 from assay.stages.graph import upsert_graph
 from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
+from assay.output_lock import exclusive_output
 from assay.staging import building, commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -77,50 +78,52 @@ def dedup_flow(input_dir: str, out: str, overwrite: bool = False, params_file: s
     section = {"dedup": dataclasses.asdict(params.dedup), "io": dataclasses.asdict(params.io),
                "vectors": dataclasses.asdict(params.vectors)}
     fingerprint = stage_fingerprint(units, section)
-    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
-        print(f"{out} is up to date with its inputs; nothing to do")
-        return read_manifest(out)
+    with exclusive_output(out):  # a second run into OUT would break this one's staging
+        if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir]):
+            print(f"{out} is up to date with its inputs; nothing to do")
+            return read_manifest(out)
 
-    # The scans write their signatures to the staging area and return none: the band tasks read them
-    # from there, each only its band's columns, so no task and not this process holds the whole matrix.
-    staged = signatures_folder(out, params.dedup.minhash.staging, fingerprint)
-    files = [signatures_file(staged, u.index) for u in units]
-    scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
-                                             unmapped(params.io.batch_rows), files,
-                                             batch_bytes=unmapped(params.io.batch_bytes), key=[u.key for u in units]),
-                               "dedup: hash + MinHash")
-    corpus = gather(scans)
-    del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
-    exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))
-    alive = exact_kept == np.arange(len(corpus.ids))
-    near_kept = None
-    if params.dedup.minhash.enabled:
-        alive_file = write_alive(alive, staged)
-        pairs = wait_with_progress(band_task.map(unmapped(files), unmapped(alive_file),
-                                                 list(range(params.dedup.minhash.bands)), unmapped(params.dedup)),
-                                   "dedup: LSH bands")
-        near_kept = near_step(corpus, alive, pairs)
-    vectors = embeddings_task(input_dir, corpus, params)
-    verdicts = decide(corpus, exact_kept, near_kept, vectors, params.dedup)
-    counts = verdicts.counts
-    print(f"dedup: {counts['input']} in, exact {counts['exact_dup']}, near {counts['near_dup']}, "
-          f"semantic {counts['semantic_dup']} removed, {counts['kept']} kept")
+        # The scans write their signatures to the staging area and return none: the band tasks read them
+        # from there, each only its band's columns, so no task and not this process holds the whole matrix.
+        staged = signatures_folder(out, params.dedup.minhash.staging, fingerprint)
+        files = [signatures_file(staged, u.index) for u in units]
+        scans = wait_with_progress(scan_task.map([u.shard for u in units], unmapped(params.dedup),
+                                                 unmapped(params.io.batch_rows), files,
+                                                 batch_bytes=unmapped(params.io.batch_bytes),
+                                                 key=[u.key for u in units]),
+                                   "dedup: hash + MinHash")
+        corpus = gather(scans)
+        del scans  # the corpus holds everything now; the scans' id lists would double the per-document memory
+        exact_kept = exact_step(corpus) if params.dedup.exact else np.arange(len(corpus.ids))
+        alive = exact_kept == np.arange(len(corpus.ids))
+        near_kept = None
+        if params.dedup.minhash.enabled:
+            alive_file = write_alive(alive, staged)
+            pairs = wait_with_progress(band_task.map(unmapped(files), unmapped(alive_file),
+                                                     list(range(params.dedup.minhash.bands)), unmapped(params.dedup)),
+                                       "dedup: LSH bands")
+            near_kept = near_step(corpus, alive, pairs)
+        vectors = embeddings_task(input_dir, corpus, params)
+        verdicts = decide(corpus, exact_kept, near_kept, vectors, params.dedup)
+        counts = verdicts.counts
+        print(f"dedup: {counts['input']} in, exact {counts['exact_dup']}, near {counts['near_dup']}, "
+              f"semantic {counts['semantic_dup']} removed, {counts['kept']} kept")
 
-    # Each write task is sent its own shard's verdicts: what travels to a worker follows the shard.
-    per_shard = [shard_verdicts(corpus, verdicts, np.flatnonzero(corpus.shard_of == u.index)) for u in units]
-    results = wait_with_progress(
-        write_task.map([u.index for u in units], [u.shard for u in units], unmapped(out), unmapped(params),
-                       [u.key for u in units], per_shard),
-        f"dedup → {out}")
-    require_unchanged(input_dir, units)  # every read is done; before the graph, which may be a server's
-    # The local index goes into the dataset being built, so it is published with the rest.
-    graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)
-    extra = {"dedup": counts, "graph": graph}
-    manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
-    committed = commit(out, [u.key for u in units], manifest)
-    if params.dedup.minhash.staging is not None:
-        drop_signatures(staged)
-    return committed
+        # Each write task is sent its own shard's verdicts: what travels to a worker follows the shard.
+        per_shard = [shard_verdicts(corpus, verdicts, np.flatnonzero(corpus.shard_of == u.index)) for u in units]
+        results = wait_with_progress(
+            write_task.map([u.index for u in units], [u.shard for u in units], unmapped(out), unmapped(params),
+                           [u.key for u in units], per_shard),
+            f"dedup → {out}")
+        require_unchanged(input_dir, units)  # every read is done; before the graph, which may be a server's
+        # The local index goes into the dataset being built, so it is published with the rest.
+        graph = graph_task(str(building(out)), corpus, verdicts, vectors, params)
+        extra = {"dedup": counts, "graph": graph}
+        manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
+        committed = commit(out, [u.key for u in units], manifest)
+        if params.dedup.minhash.staging is not None:
+            drop_signatures(staged)
+        return committed
 
 
 def run_dedup(input_dir: str, out: str, **kwargs) -> dict:

@@ -15,6 +15,7 @@ from assay.stages.dynamic import (STAGE, dynamic_unit, read_run_telemetry, read_
                                   require_scores_of_input, require_scores_of_run, require_signals,
                                   signals_fingerprint, verdicts)
 from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
+from assay.output_lock import exclusive_output
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -41,20 +42,21 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     section = {"dynamic": dataclasses.asdict(params.dynamic), "io": dataclasses.asdict(params.io)}
     section["signals"] = signals_fingerprint(scores_dir, run_dir)
     fingerprint = stage_fingerprint(units, section)
-    if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir, scores_dir, run_dir]):
-        print(f"{out} is up to date with its inputs; nothing to do")
-        return read_manifest(out)
-    judged = verdicts_task(scores_dir, run_dir, params)
-    futures = dynamic_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
-                                     unmapped(params), [u.key for u in units], unmapped(judged))
-    results = wait_with_progress(futures, f"dynamic → {out}")
-    mentioned = Counter(judged.column("reason").drop_null().to_pylist())
-    extra = {"signals": {"scores": scores_dir, "run": run_dir, "documents_with_signals": judged.num_rows,
-                         "drops_among_them_by_reason": dict(sorted(mentioned.items()))}}
-    require_unchanged(input_dir, units)  # every read is done: the output is of one input version
-    require_same_signals(scores_dir, run_dir, section["signals"])  # and of one set of signals
-    manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
-    return commit(out, [u.key for u in units], manifest)
+    with exclusive_output(out):  # a second run into OUT would break this one's staging
+        if prepare(out, fingerprint, overwrite=overwrite, inputs=[input_dir, scores_dir, run_dir]):
+            print(f"{out} is up to date with its inputs; nothing to do")
+            return read_manifest(out)
+        judged = verdicts_task(scores_dir, run_dir, params)
+        futures = dynamic_shard_task.map([u.index for u in units], [u.shard for u in units], unmapped(out),
+                                         unmapped(params), [u.key for u in units], unmapped(judged))
+        results = wait_with_progress(futures, f"dynamic → {out}")
+        mentioned = Counter(judged.column("reason").drop_null().to_pylist())
+        extra = {"signals": {"scores": scores_dir, "run": run_dir, "documents_with_signals": judged.num_rows,
+                             "drops_among_them_by_reason": dict(sorted(mentioned.items()))}}
+        require_unchanged(input_dir, units)  # every read is done: the output is of one input version
+        require_same_signals(scores_dir, run_dir, section["signals"])  # and of one set of signals
+        manifest = stage_manifest(STAGE, input_dir, fingerprint, section, results, time.perf_counter() - started, extra)
+        return commit(out, [u.key for u in units], manifest)
 
 
 def run_dynamic(input_dir: str, scores_dir: str, run_dir: str, out: str, **kwargs) -> dict:

@@ -13,6 +13,7 @@ from assay.ingest.plan import check_source, plan, unit_key
 from assay.ingest.readers import ingest_unit
 from assay.ingest.repeated_ids import quarantine_repeated_ids
 from assay.shards import read_manifest
+from assay.output_lock import exclusive_output
 from assay.staging import commit, prepare
 from flows.progress import wait_with_progress
 from flows.runners import task_runner
@@ -37,14 +38,15 @@ def ingest_flow(
     params = load_params(params_file)
     options = options_from_params(params, text_field=text_field, id_field=id_field, source_name=source_name)
     units = plan(sources, options, demo_params=params.demo)
-    if prepare(out, fingerprint(units, options, params), overwrite=overwrite, inputs=sources):
-        print(f"{out} is up to date with its inputs; nothing to do")
-        return read_manifest(out)
-    futures = ingest_unit_task.map(list(range(len(units))), units, unmapped(out), unmapped(options))
-    results = wait_with_progress(futures, f"ingest → {out}")
-    results = quarantine_repeated_ids(out, results)  # files ingested apart may give one id twice
-    manifest = manifest_for(sources, units, options, params, results, time.perf_counter() - started)
-    return commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest)
+    with exclusive_output(out):  # a second run into OUT would break this one's staging
+        if prepare(out, fingerprint(units, options, params), overwrite=overwrite, inputs=sources):
+            print(f"{out} is up to date with its inputs; nothing to do")
+            return read_manifest(out)
+        futures = ingest_unit_task.map(list(range(len(units))), units, unmapped(out), unmapped(options))
+        results = wait_with_progress(futures, f"ingest → {out}")
+        results = quarantine_repeated_ids(out, results)  # files ingested apart may give one id twice
+        manifest = manifest_for(sources, units, options, params, results, time.perf_counter() - started)
+        return commit(out, [unit_key(i, u) for i, u in enumerate(units)], manifest)
 
 
 def run_ingest(sources: list[str], out: str, **kwargs) -> dict:

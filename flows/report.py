@@ -7,6 +7,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from assay.output_lock import exclusive_output
 from assay.report_html import (ReportInputs, build_report, measure_labelled_code, require_labelled_out,
                                 require_report_out)
 from assay.shards import atomic_write_json
@@ -27,13 +28,14 @@ def report_flow(out: str = "reports", raw: str = "data/raw", static: str = "data
     """Write OUT/index.html: kept and dropped per tier, score histograms, loss curves, lineage, examples."""
     inputs = ReportInputs(Path(raw), Path(static), Path(domain), Path(dedup), Path(curated), Path(round0),
                           Path(round1), Path(models), Path(labelled), Path(repo))
-    require_report_out(inputs, Path(out))  # before the measurement, which takes a minute
-    if measure_labelled:
-        require_labelled_out(inputs)
-        print(f"measuring tier 3 on the labelled set with {inputs.models / 'domain'} → {labelled}")
-        measure_task(str(inputs.models / "domain"), labelled, params_file)
-    summary = build_report(inputs, out, examples)
-    missing = [s["title"] for s in summary["sections"].values() if s["missing"]]
-    print(f"report → {summary['page']}: {len(summary['charts'])} charts, {summary['bytes'] / 2**20:.1f} MB"
-          + (f"; sections with missing inputs: {', '.join(missing)}" if missing else ""))
-    return summary
+    with exclusive_output(out):  # two reports into OUT would write over each other
+        require_report_out(inputs, Path(out))  # before the measurement, which takes a minute
+        if measure_labelled:
+            require_labelled_out(inputs)
+            print(f"measuring tier 3 on the labelled set with {inputs.models / 'domain'} → {labelled}")
+            measure_task(str(inputs.models / "domain"), labelled, params_file)
+        summary = build_report(inputs, out, examples)
+        missing = [s["title"] for s in summary["sections"].values() if s["missing"]]
+        print(f"report → {summary['page']}: {len(summary['charts'])} charts, {summary['bytes'] / 2**20:.1f} MB"
+              + (f"; sections with missing inputs: {', '.join(missing)}" if missing else ""))
+        return summary

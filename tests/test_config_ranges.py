@@ -43,6 +43,8 @@ def test_every_pattern_names_a_real_setting_and_the_defaults_are_in_range():
     ({"io": {"batch_rows": 0}}, "io.batch_rows"),
     ({"train": {"parallel": {"dp_shard": 0}}}, "train.parallel.dp_shard"),
     ({"dynamic": {"loss_high_z": -1.0}}, "dynamic.loss_high_z"),
+    ({"train": {"vocab_size": 100}}, "train.vocab_size"),  # was the tokenizer's raw ValueError, mid-run
+    ({"domain": {"train": {"vocab_size": 100}}}, "domain.train.vocab_size"),  # was ignored (257 made)
 ])
 def test_a_value_out_of_range_is_one_line_naming_the_key(tmp_path, data, key):
     path = tmp_path / "params.yaml"

@@ -162,6 +162,28 @@ def test_hugging_face_save_to_disk_and_load_dataset(tmp_path):
 
 
 @needs_flow
+def test_an_hf_source_that_cannot_be_loaded_is_refused_before_anything_is_staged(tmp_path):
+    """`hf:EMPTY_DIR` failed only inside the ingest task, after `.OUT.staging/` was made, and left it
+    behind. The source is now loaded at plan time (as a Parquet file's columns are read there), with
+    the reader's own error."""
+    import datasets
+
+    from assay.ingest.hf import load_hf_dataset
+    from assay.shards import staging_dir
+
+    (tmp_path / "empty").mkdir()
+    datasets.Dataset.from_dict({"body": ["no text column"]}).save_to_disk(str(tmp_path / "notext"))
+    out = tmp_path / "raw"
+    for source in ("empty", "notext"):
+        with pytest.raises(AssayError) as expected:
+            load_hf_dataset(str(tmp_path / source), None, "text")
+        with pytest.raises(AssayError) as raised:
+            ingest([f"hf:{tmp_path / source}"], out)
+        assert str(raised.value) == str(expected.value), source
+        assert not staging_dir(out).exists() and not out.exists(), source
+
+
+@needs_flow
 def test_directory_walk_skips_and_symlinks(tmp_path):
     root = tmp_path / "repo"
     for folder in ("pkg", ".git", "node_modules/x", "__pycache__", ".venv/lib"):

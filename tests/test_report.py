@@ -421,6 +421,26 @@ def test_a_stage_option_given_another_stages_output_is_refused(tmp_path):
     assert not (tmp_path / "cli").exists()
 
 
+def test_a_file_given_where_an_input_folder_is_expected_is_refused_naming_its_option(tmp_path):
+    """`assay report --raw FILE` showed the file as "present" in the page's Inputs table; every input
+    folder given a file is now refused before anything is written, naming the path and its option."""
+    afile = tmp_path / "raw.parquet"
+    afile.write_text("not a dataset folder\n")
+    nothing = tmp_path / "nothing"
+    base = dict(raw=nothing, static=nothing, domain=nothing, dedup=nothing, curated=nothing, round0=nothing,
+                round1=nothing, models=nothing, labelled=nothing / "labelled.json", repo=tmp_path)
+    for option in ("raw", "curated", "round0", "round1", "models"):
+        with pytest.raises(AssayError, match=re.escape(f"{afile}: is a file, not a directory; --{option} takes ")):
+            build_report(ReportInputs(**{**base, option: afile}), tmp_path / "reports", examples_per_reason=0)
+        assert not (tmp_path / "reports").exists(), option
+    proc = subprocess.run([BIN / "assay", "report", "--raw", afile, "--out", tmp_path / "cli"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"assay: error: {afile}: is a file, not a directory; --raw takes the ingest "
+                                  "stage's output folder"), proc.stderr
+    assert not (tmp_path / "cli").exists() and afile.read_text() == "not a dataset folder\n"
+
+
 def test_a_tier2_example_shows_the_value_and_threshold_behind_its_reason(tmp_path):
     """The examples' "scores / detail" cell looked for keys starting with the reason's text, which
     tier 2's keys never do (`dynamic:alignment_stratum_low` rests on `alignment_z`): it was empty."""

@@ -217,3 +217,38 @@ def test_a_version_replaced_while_it_is_read_stops_the_reader(reference, tmp_pat
     with pytest.raises(AssayError, match=r"part-00001.parquet: replaced since this run opened"):
         list(batches)
     _readers_read_every_part(out, FINGERPRINT)
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_wording_by_every_command_that_writes_a_folder(tmp_path):
+    """Five places checked "OUT exists and is not a folder" each in its own words (the report's said
+    only "exists and is not a directory"); one check now says it, and names the option to change."""
+    import os
+
+    from assay.config import TrainParams
+    from assay.report_html import ReportInputs, require_report_out
+    from assay.staging import DATASET_FORMAT, own_output, require_outside
+    from corpus import write_documents
+    from training.export import _check_out
+    from training.trainer import train
+
+    data = write_documents(tmp_path / "data", [("a.txt", "a document")])
+    nothing = tmp_path / "nothing"
+    afile = tmp_path / "afile"
+    afile.write_text("the user's file\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    checks = {
+        "dataset": lambda out: own_output(out, DATASET_FORMAT, "an Assay dataset"),
+        "stage": lambda out: prepare(out, FINGERPRINT, overwrite=True, inputs=[data]),
+        "model": lambda out: require_outside(out, [data]),
+        "export": lambda out: _check_out(tmp_path / "run", out, True),
+        "train": lambda out: train(open_version(data), out, TrainParams(device="cpu"), overwrite=True, progress=False),
+        "report": lambda out: require_report_out(ReportInputs(*[nothing] * 9, repo=tmp_path), out),
+    }
+    for name, check in checks.items():
+        for out in (afile, fifo):
+            with pytest.raises(AssayError) as refused:
+                check(out)
+            assert str(refused.value) == f"{out}: is a file, not a directory; choose another --out", name
+    assert afile.read_text() == "the user's file\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "afile", "data", "fifo"]

@@ -285,6 +285,22 @@ def test_an_out_that_is_not_a_run_is_one_line_and_left_as_it_was(stdlib_data, tm
     assert again.resumed_from is None and (run / "scores" / "manifest.json").is_file()
 
 
+def test_a_run_that_fails_before_writing_leaves_no_folder_it_made_and_keeps_the_users(stdlib_data, tmp_path):
+    """A run that failed after making its --out (here: a damaged part, read while learning the tokenizer)
+    left that folder, and the missing parents made with it, empty behind; a folder the user made stays."""
+    data = tmp_path / "data"
+    shutil.copytree(stdlib_data, data)
+    part = next(data.glob("part-*.parquet"))
+    part.write_bytes(b"PAR1" + bytes(64))  # same name, not Parquet: found only when read
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for out in (tmp_path / "runs" / "round-0", mine):
+        with pytest.raises(AssayError, match="not a readable Parquet shard"):
+            train(open_version(data), out, tiny_params(steps=2), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "mine"]
+    assert list(mine.iterdir()) == []
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp8", "fp8_fp16"])
 def test_reduced_precision_trains(stdlib_data, tmp_path, precision):
     result = train(open_version(stdlib_data), tmp_path / precision, tiny_params(steps=10, precision=precision),

@@ -31,8 +31,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from assay.errors import AssayError
+from assay.output_lock import exclusive_output
 from assay.shards import publish_directory, staging_dir
-from assay.staging import require_not_dangling
+from assay.staging import require_folder_or_absent, require_not_dangling
 from training.checkpoint import _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
 from training.model import ModelArgs, Transformer
 from training.tokenizer import EOS, PAD, load_tokenizer
@@ -150,8 +151,7 @@ def _check_out(run: Path, out: Path, overwrite: bool) -> None:
     earlier export (`--out . --overwrite` would otherwise delete the repository). A symlink to a
     folder is followed: the export goes where it points."""
     require_not_dangling(out)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    require_folder_or_absent(out)
     if out.resolve() == run.resolve() or run.resolve().is_relative_to(out.resolve()):
         raise AssayError(f"{out}: is or holds the run {run}, which writing the export there would delete; "
                          "choose another --out")
@@ -168,10 +168,16 @@ def _check_out(run: Path, out: Path, overwrite: bool) -> None:
 
 def export_run(run_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False,
                checkpoint: str | Path | None = None) -> dict[str, Any]:
-    """Write the run's latest checkpoint to ``out_dir`` as a Hugging Face model (see module docstring)."""
+    """Write the run's latest checkpoint to ``out_dir`` as a Hugging Face model (see module docstring).
+    A second export into ``out_dir`` while one writes it is refused (`assay.output_lock`): it would
+    clear the first one's staging folder."""
+    with exclusive_output(out_dir):
+        return _export(Path(run_dir), Path(out_dir), overwrite, checkpoint)
+
+
+def _export(run: Path, out: Path, overwrite: bool, checkpoint: str | Path | None) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    run, out = Path(run_dir), Path(out_dir)
     _check_out(run, out, overwrite)
     model, trainer = load_run_model(run, checkpoint)
     tokenizer = load_tokenizer(run)

@@ -40,14 +40,15 @@ from torch import nn
 from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
+from assay.output_lock import exclusive_output
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
-from assay.staging import overlaps, require_not_dangling
+from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.versions import DatasetVersion
 from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
 from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
-from training.parallel.distributed import init_distributed
+from training.parallel.distributed import Distributed, init_distributed
 from training.parallel.setup import Parallel
 from training.precision import precision_context, scales_loss, uses_fp8
 from training.spikes import SpikeDetector
@@ -220,8 +221,7 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
                  allow_data_change: bool) -> Path | None:
     """Decide between a fresh run and a resume; returns the checkpoint to resume from, if any."""
     require_not_dangling(out)
-    if out.exists() and not out.is_dir():
-        raise AssayError(f"{out}: is a file, not a directory; choose another --out")
+    require_folder_or_absent(out)
     overlap = overlaps(out, Path(version.path))
     if overlap:  # a run written into its dataset's folder would change the dataset it records
         raise AssayError(f"{out}: {overlap} the dataset {version.path}; choose an --out outside it")
@@ -338,9 +338,23 @@ def train(version: DatasetVersion, out: str | Path, params: TrainParams, *, resu
 
     ``tokenizer``: use this one for a fresh run instead of learning one (benchmarks compare
     configurations on one tokenizer); a resumed run always uses the run's own.
+
+    The main rank, which alone writes the run's folder, holds its lock (`assay.output_lock`) for
+    the whole run: a second run into ``out`` is refused at once on every rank, and a run that
+    fails before writing leaves no folder it made.
     """
     out = Path(out)
     world = init_distributed()  # rank 0 of 1 unless torchrun launched us
+    with contextlib.ExitStack() as held:
+        world.on_main(lambda: held.enter_context(exclusive_output(out)))
+        return _train(world, version, out, params, resume=resume, overwrite=overwrite,
+                      allow_data_change=allow_data_change, device=device, profile=profile, progress=progress,
+                      on_step=on_step, tokenizer=tokenizer)
+
+
+def _train(world: Distributed, version: DatasetVersion, out: Path, params: TrainParams, *, resume: bool,
+           overwrite: bool, allow_data_change: bool, device: str | None, profile: bool, progress: bool,
+           on_step: Callable[[dict], None] | None, tokenizer: Tokenizer | None) -> TrainResult:
     par = Parallel.setup(params, world)
     dev = pick_device(device or params.device)
     if dev.type == "cuda" and world.distributed:

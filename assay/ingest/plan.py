@@ -184,10 +184,20 @@ def _check_columns(names: list[str], where: str, options: IngestOptions) -> None
 
 
 def plan_hf(spec: str, options: IngestOptions) -> Unit:
+    """The unit of one `hf:PATH[:split]` SOURCE, once the dataset is known to load.
+
+    It is loaded here, as the reader will load it, so that one that cannot be (an empty folder, no
+    such split, no text field) fails before the output's staging folder is made, like a Parquet
+    file without its text field. `datasets` keeps what it loaded in its cache (a `save_to_disk`
+    folder is memory-mapped), so the reader's second load is cheap.
+    """
+    from assay.ingest.hf import load_hf_dataset
+
     body = spec[len(HF_PREFIX):]
     path, _, split = body.partition(":") if not Path(body).exists() else (body, "", "")
     if not path:
         raise AssayError(f"{spec}: expected hf:PATH_OR_NAME[:split]")
+    load_hf_dataset(path, split or None, options.text_field)
     local = Path(path)
     size, mtime = 0, 0
     if local.exists():
@@ -205,7 +215,7 @@ def check_source(spec: str, options: IngestOptions) -> None:
         raise AssayError(f"SOURCE is empty: {spec!r} (an unset shell variable?); name a directory, file, "
                          "hf:PATH or 'demo' (. for the current directory)")
     if spec == DEMO_SOURCE or spec.startswith(HF_PREFIX):
-        return
+        return  # hf: is checked by loading it, in plan_hf; here as well would load it a third time
     path = Path(spec)
     if not path.exists():
         raise AssayError(f"{spec}: no such file or directory")
