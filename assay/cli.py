@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -77,6 +78,31 @@ def _quiet_console_tracebacks() -> None:
             handler.addFilter(_OneLineErrors())
 
 
+#: The signals that stopped the command (SIGINT, SIGTERM, SIGHUP), and whether it runs flows.
+_STOPPED_BY: list[int] = []
+_RUNS_FLOWS = False
+
+
+def _prepare_flow_run() -> None:
+    """Before a command runs a flow: one-line errors on the console, and Prefect's temporary
+    server (started by Prefect at the flow's first call, when PREFECT_API_URL names none) tied to
+    this command: see `assay.prefect_server.tie_temporary_server`."""
+    global _RUNS_FLOWS
+    _RUNS_FLOWS = True
+    _quiet_console_tracebacks()
+    from assay.prefect_server import tie_temporary_server
+
+    tie_temporary_server()
+
+
+def _stop(signum: int, frame) -> None:
+    """SIGINT, SIGTERM, SIGHUP: unwind as Ctrl-C does, so that Prefect records the run as crashed
+    and the output's staging is left to resume; `main` then says so. (During a flow run Prefect
+    catches SIGTERM itself, records the crash, and sends it again, which lands here.)"""
+    _STOPPED_BY.append(signum)
+    raise KeyboardInterrupt
+
+
 @app.command()
 def ingest(
     sources: list[str] = typer.Argument(
@@ -100,7 +126,7 @@ def ingest(
     from assay import report
     from flows.ingest import run_ingest
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = run_ingest(
         sources, str(out), text_field=text_field, id_field=id_field, source_name=source,
         overwrite=overwrite, params_file=_params_file(),
@@ -130,7 +156,7 @@ def run_static(
     from assay import report
     from flows.static import run_static as run
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
 
@@ -151,7 +177,7 @@ def run_domain(
     from assay import report
     from flows.domain import run_domain as run
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
 
@@ -171,7 +197,7 @@ def run_dedup(
     from assay import report
     from flows.dedup import run_dedup as run
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = run(str(input_dir), str(out), overwrite=overwrite, params_file=_params_file())
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
 
@@ -302,7 +328,7 @@ def quality_train(
     from assay import report
     from flows.quality import quality_train_flow
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     result = quality_train_flow(str(data) if data else None, str(out), labels=str(labels) if labels else None,
                                 finetune=finetune, params_file=_params_file())
     report.as_json(result) if json_output else report.quality_report(result)
@@ -327,7 +353,7 @@ def domain_train(
     from assay import report
     from flows.domain_model import domain_model_flow
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     result = domain_model_flow(str(data), str(out), params_file=_params_file())
     if json_output:
         report.as_json(result)
@@ -369,7 +395,7 @@ def train_command(
     from assay import report
     from flows.train import train_flow
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     layout = {k: v for k, v in {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp,
                                 "ep": ep, "zero1": zero1, "pp_schedule": pp_schedule,
                                 "pp_dynamic": pp_dynamic}.items() if v is not None}
@@ -582,7 +608,7 @@ def run_dynamic(
     from assay import report
     from flows.dynamic import run_dynamic as run_flow
 
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = run_flow(str(input_dir), str(scores), str(run), str(out), overwrite=overwrite,
                         params_file=_params_file())
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
@@ -618,7 +644,7 @@ def report_command(
 
     # Before the flow: a stage option given another stage's output is one line, without a Prefect run.
     require_stage_outputs(ReportInputs(raw, static, domain, dedup, curated, round0, round1, models, labelled, repo))
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     summary = report_flow(str(out), str(raw), str(static), str(domain), str(dedup), str(curated), str(round0),
                           str(round1), str(models), str(labelled), str(repo), examples, measure_labelled,
                           _params_file())
@@ -708,7 +734,7 @@ def score_command(
             steps = [c if c == "last" else int(c) for c in checkpoint]
         except ValueError:
             raise AssayError(f"--checkpoint takes a step number or 'last', not {checkpoint}") from None
-    _quiet_console_tracebacks()
+    _prepare_flow_run()
     manifest = score_flow(str(run), str(data), str(out), rev=rev, overwrite=overwrite, checkpoints=steps,
                           device=device, params_file=_params_file())
     if json_output:
@@ -717,23 +743,26 @@ def score_command(
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    # Prefect's temporary server needs more than its default 20 s to start on
-    # a busy 2-core machine; waiting longer beats failing the run.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     global _DEBUG
     # Only an option: after "--" the word is an argument (a query text or an id), not --debug.
     options = args[:args.index("--")] if "--" in args else args
     debug = _DEBUG = "--debug" in options or os.environ.get("ASSAY_DEBUG") == "1"
+    # Prefect's temporary server needs more than its default 20 s to start on
+    # a busy 2-core machine; waiting longer beats failing the run.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
     try:
         app(args=args, prog_name="assay")
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if not _STOPPED_BY:  # typer's own exit, 0 or a usage error's 2
+            raise
+        _stopped(_STOPPED_BY[0], exc)
     except AssayError as exc:
         if debug:
             raise
         print(f"assay: error: {exc}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print("assay: interrupted; rerun the same command to resume", file=sys.stderr)
-        sys.exit(130)
     except Exception as exc:  # a bug: one line, unless the user asked for more
         if debug:
             raise
@@ -745,6 +774,31 @@ def main(argv: list[str] | None = None) -> None:
         print(f"assay: internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)", file=sys.stderr)
         sys.exit(2)
 
+
+def _stopped(signum: int, exc: BaseException) -> None:
+    """End a command a signal stopped: one line, and the shell's code for that signal (130, 143).
+
+    Ended at once with os._exit: a stage's worker threads may still be inside a unit, which a
+    normal exit would wait for; what they leave is what a kill leaves, which the rerun redoes.
+    The temporary server is stopped first, so that its own last lines come before ours (it would
+    get SIGTERM as this process ends anyway: `tie_temporary_server`).
+    """
+    from assay.prefect_server import stop_temporary_server
+
+    name = signal.Signals(signum).name
+    stop_temporary_server()
+    if _DEBUG:
+        import traceback
+
+        traceback.print_exception(exc)
+    if _RUNS_FLOWS:
+        print(f"assay: stopped by {name}; what was finished is kept, and nothing half-written was published: "
+              "rerun the same command to resume", file=sys.stderr)
+    else:
+        print(f"assay: stopped by {name}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 if __name__ == "__main__":
     main()

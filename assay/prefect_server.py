@@ -7,6 +7,7 @@ PREFECT_API_URL; without it, each command starts a temporary server of its own
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -91,8 +92,8 @@ class LocalServer:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, SIGTERM it when `assay ui` dies, even by SIGKILL,
-    so that no server outlives the command that promised to stop it."""
+    """In the child, before exec: on Linux, SIGTERM it when the command that started it dies,
+    even by SIGKILL, so that no server outlives the command that promised to stop it."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -139,6 +140,52 @@ def start_server(host: str = "127.0.0.1", port: int = 4200, log: Path | None = N
         server.stop()
         raise
     return server
+
+
+def tie_temporary_server() -> None:
+    """Make the temporary server that Prefect starts for this process, when PREFECT_API_URL names
+    none, one that runs in a session of its own and gets SIGTERM when this process dies.
+
+    Prefect starts it (lazily, at a flow's first call) in the command's process group and with no
+    tie to the command. Measured with that: Ctrl-C, or `timeout`'s SIGTERM to the group, stopped
+    the server first, and the command then spent minutes retrying it before it exited; a SIGTERM
+    to the command alone left the server running (230 MB, a port held) with no parent. Prefect
+    asks `SubprocessASGIServer()` (port None) for its server wherever it needs one; registered here
+    first, the instance it gets is ours, still started when and as Prefect decides.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    if None not in SubprocessASGIServer._instances:
+        temporary_server_class()(None)
+
+
+@functools.cache
+def temporary_server_class() -> type:
+    """Prefect's `SubprocessASGIServer`, launched in its own session with a parent-death signal."""
+    import prefect
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    class TiedTemporaryServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            # Prefect's own command and environment (prefect 3.x), started apart from our group.
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                   "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+            command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+                       "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                       "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+            return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    return TiedTemporaryServer
+
+
+def stop_temporary_server() -> None:
+    """Stop the temporary server now, if Prefect started one for this process: a command stopped
+    by a signal ends with os._exit, and its last line must come after the server's own."""
+    module = sys.modules.get("prefect.server.api.server")
+    server = module.SubprocessASGIServer._instances.get(None) if module else None
+    if server is not None and server.running:
+        server.stop()
 
 
 def interrupt_on_termination() -> None:

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -1198,3 +1199,91 @@ def test_an_empty_source_is_refused_not_read_as_the_current_directory(tmp_path, 
         with pytest.raises(AssayError, match="SOURCE is empty"):
             run_ingest(["corpus", spec], str(tmp_path / "raw"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "notes.txt"]
+
+
+# ------------------------------------------------------------ man pages, and a command stopped politely
+
+
+def _fake_man(tmp_path: Path, monkeypatch, body: str) -> None:
+    """Put a shell script named `man` first on PATH, where _render_man looks it up."""
+    folder = tmp_path / "fake-bin"
+    folder.mkdir(exist_ok=True)
+    script = folder / "man"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+def _man_unit(tmp_path: Path):
+    from assay.ingest.plan import FileEntry, Unit
+
+    page = tmp_path / "page.1"
+    page.write_text(".TH PAGE 1\n")
+    return Unit("files", "man", files=(FileEntry(str(page), "man", "man1/page.1", render="man"),))
+
+
+def test_man_runs_in_a_session_of_its_own_so_the_commands_signals_do_not_reach_it(tmp_path, monkeypatch):
+    """Ctrl-C, `timeout` and systemd signal the whole process group: man, there, died with the command
+    and its death was stored as the page's verdict (invalid:io), which the rerun then kept."""
+    from assay.ingest.readers import read_entry
+
+    _fake_man(tmp_path, monkeypatch, "cat /proc/$$/stat")
+    entry = _man_unit(tmp_path).files[0]
+    stat = read_entry(entry, 10**6).decode()
+    pid, rest = stat.split(" ", 1)
+    session = int(rest.rsplit(")", 1)[1].split()[3])  # fields after the name: state ppid pgrp session
+    assert session != os.getsid(0)
+    assert session == int(pid)  # man leads its own session (and so its own process group)
+
+
+def test_a_man_killed_by_a_signal_fails_the_unit_and_the_rerun_renders_the_page(tmp_path, monkeypatch):
+    from assay.ingest.plan import IngestOptions, unit_key
+    from assay.ingest.readers import RenderStopped, ingest_unit
+    from assay.staging import finished_unit
+
+    unit, out = _man_unit(tmp_path), str(tmp_path / "raw")
+    _fake_man(tmp_path, monkeypatch, "kill -TERM $$")
+    with pytest.raises(RenderStopped, match=r"man was killed by SIGTERM while rendering .*page\.1.*rerun to resume"):
+        ingest_unit(0, unit, out, IngestOptions())
+    assert finished_unit(out, unit_key(0, unit)) is None  # no verdict was kept: the unit is not done
+
+    _fake_man(tmp_path, monkeypatch, "echo 'PAGE(1)  the rendered page'")
+    result = ingest_unit(0, unit, out, IngestOptions())
+    assert not result.skipped and result.counts.get("documents") == 1 and "invalid:io" not in result.counts
+
+
+def test_a_man_that_times_out_fails_the_unit_and_leaves_no_process(tmp_path, monkeypatch):
+    """A loaded machine can hit the timeout: that is no property of the file, so no verdict either."""
+    import psutil
+
+    from assay.ingest import readers
+    from assay.ingest.plan import IngestOptions, unit_key
+    from assay.staging import finished_unit
+
+    unit, out, child = _man_unit(tmp_path), str(tmp_path / "raw"), tmp_path / "child.pid"
+    # The sleep is man's child, as groff is: the kill must take man's whole process group.
+    _fake_man(tmp_path, monkeypatch, f"sleep 60 & echo $! > {child}; wait")
+    monkeypatch.setattr(readers, "MAN_TIMEOUT_S", 1)
+    with pytest.raises(readers.RenderStopped, match=r"did not render .*page\.1 within 1 s.*rerun to resume"):
+        readers.ingest_unit(0, unit, out, IngestOptions())
+    assert finished_unit(out, unit_key(0, unit)) is None
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "man's child outlived the timeout"
+        time.sleep(0.05)
+
+
+def test_a_page_man_rejects_is_still_the_files_invalid_io_verdict(tmp_path, monkeypatch):
+    from assay.ingest.plan import IngestOptions, unit_key
+    from assay.ingest.readers import ingest_unit
+    from assay.staging import QUARANTINE, finished_unit, staging_dir
+
+    unit, out = _man_unit(tmp_path), str(tmp_path / "raw")
+    _fake_man(tmp_path, monkeypatch, "echo 'man: cannot parse page.1' >&2; exit 1")
+    result = ingest_unit(0, unit, out, IngestOptions())
+    assert result.counts["invalid:io"] == 1 and finished_unit(out, unit_key(0, unit)) is not None
+    folder = staging_dir(out) / unit_key(0, unit)
+    [row] = pa.concat_tables([pq.read_table(folder / name) for name in result.files[QUARANTINE]]).to_pylist()
+    assert (row["path"], row["reason"]) == ("man1/page.1", "invalid:io")
+    assert row["detail"] == "OSError: man exited 1: man: cannot parse page.1"

@@ -137,3 +137,150 @@ def test_run_rank_ends_the_process_as_a_plain_exit_would(body, code, says):
     assert done.returncode == code, done.stderr
     for text in says:
         assert text in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------ stopped from outside, politely or not
+SLEEPER = """\
+import os, signal, sys, time
+from pathlib import Path
+if sys.argv[2:] == ["ignore-term"]:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+Path(sys.argv[1], f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def _sleeper(tmp_path: Path) -> Path:
+    """A rank that only writes its pid and sleeps: no group, so the tests are about processes alone."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    return script
+
+
+def _rank_pids(out: Path, nproc: int, proc: subprocess.Popen) -> list[int]:
+    deadline = time.monotonic() + 120
+    while len(pids := sorted(out.glob("rank-*.pid"))) < nproc:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in pids]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after `seconds` (none, as soon as they are all gone)."""
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _alive(pids)
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    # A session of its own: the cleanup below can then kill whatever the code under test left behind.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
+
+
+#: `assay train`'s side: launch() in a process whose SIGTERM handler raises, as Prefect's does; it reports
+#: the launcher's exit status once the exception has come out of launch().
+LAUNCHING = """\
+import json, signal, subprocess, sys
+from training.parallel.launch import Launch, launch
+
+launched = []
+class Recording(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        launched.append(self)
+subprocess.Popen = Recording
+
+class Sleepers(Launch):
+    def command(self, worker_args):
+        return [sys.executable, "-m", "training.parallel.local_launch", "--nproc=2", "--", *worker_args]
+
+class Terminated(Exception):
+    pass
+
+def terminated(signum, frame):
+    raise Terminated()
+
+signal.signal(signal.SIGTERM, terminated)
+try:
+    launch(Sleepers(nproc=2), sys.argv[1:])
+except Terminated:
+    print(json.dumps({"launcher": launched[0].returncode}), flush=True)
+    sys.exit(0)
+sys.exit("launch() returned without the exception")
+"""
+
+
+def test_an_exception_in_the_waiting_cli_stops_the_launcher_politely_and_so_every_rank(tmp_path):
+    """SIGTERM to `assay train` raised inside subprocess.run, which SIGKILLed the launcher: it never
+    stopped its ranks, and they went on training (and writing checkpoints) under PID 1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start([sys.executable, "-c", LAUNCHING, str(_sleeper(tmp_path)), str(out)])
+    try:
+        ranks = _rank_pids(out, 2, proc)
+        proc.send_signal(signal.SIGTERM)  # to `assay train` alone, as `kill PID` sends it
+        output = proc.communicate(timeout=30)[0]
+        assert proc.returncode == 0, output
+        # The launcher ended by its own SIGTERM path (128 + 15), not by SIGKILL (-9).
+        assert json.loads(output.strip().splitlines()[-1]) == {"launcher": 128 + signal.SIGTERM}, output
+        assert not _gone_within(ranks, 20)
+    finally:
+        _kill_group(proc)
+
+
+def test_the_ranks_of_a_launcher_killed_by_sigkill_get_sigterm(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start([sys.executable, "-m", "training.parallel.local_launch", "--nproc=2", "--",
+                   str(_sleeper(tmp_path)), str(out)])
+    try:
+        ranks = _rank_pids(out, 2, proc)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert not _gone_within(ranks, 5)
+    finally:
+        _kill_group(proc)
+
+
+def test_a_second_signal_does_not_cut_the_stopping_of_the_ranks_short(tmp_path):
+    """Ctrl-C sends SIGINT to the launcher and to `assay train`, which then sends SIGTERM: that second
+    signal, raised inside the launcher's _stop, made it return with the ranks still running. Here the
+    ranks ignore SIGTERM, so only the SIGKILL after the grace ends them."""
+    from training.parallel.local_launch import _GRACE_S
+
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _start([sys.executable, "-m", "training.parallel.local_launch", "--nproc=2", "--",
+                   str(_sleeper(tmp_path)), str(out), "ignore-term"])
+    try:
+        ranks = _rank_pids(out, 2, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=_GRACE_S + 20)[0]
+        assert proc.returncode == 128 + signal.SIGINT, output  # the first signal's
+        assert not _gone_within(ranks, 2)
+    finally:
+        _kill_group(proc)

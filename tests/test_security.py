@@ -94,14 +94,21 @@ def test_assay_ui_listens_on_loopback_unless_told_otherwise(ui_home, host):
             ui.wait()
 
 
-def test_the_temporary_prefect_server_listens_on_loopback(prefect_harness):
-    """The server each CLI command starts when no PREFECT_API_URL is set is Prefect's SubprocessASGIServer, the
-    same class as the test session's (tests/conftest.py): it listens on 127.0.0.1 only."""
+def test_the_temporary_prefect_server_listens_on_loopback():
+    """The server Prefect starts for a CLI command when no PREFECT_API_URL is set, as the command ties
+    it (`assay.prefect_server.tie_temporary_server`), listens on 127.0.0.1 only."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    server = SubprocessASGIServer._instances[None]
-    listening = _listening([server.server_process.pid])
-    assert ("127.0.0.1", server.port) in listening
+    from assay.prefect_server import temporary_server_class
+
+    port = SubprocessASGIServer(None).find_available_port()  # the harness holds port None's
+    server = temporary_server_class()(port)
+    server.start()
+    try:
+        listening = _listening([server.server_process.pid])
+    finally:
+        server.stop()
+    assert ("127.0.0.1", port) in listening
     assert {address for address, _ in listening} == {"127.0.0.1"}, listening
 
 

@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import time
@@ -203,17 +204,61 @@ def _kept_decisions(ids: pa.Array) -> pa.RecordBatch:
 # --- files -----------------------------------------------------------------------
 
 
+MAN_TIMEOUT_S = 60
+
+
+class RenderStopped(RuntimeError):
+    """A renderer stopped for a reason that is not the file's (a signal, a timeout).
+
+    Deliberately not an OSError or SubprocessError: `ingest_files` turns those
+    into the file's `invalid:io` verdict, and the unit would then be finished
+    with a verdict that a rerun on a quiet machine would not give. Raised, the
+    unit fails without its done.json and the rerun renders the file again.
+    """
+
+
 def _render_man(path: str) -> bytes:
     env = dict(os.environ, MANWIDTH="80", MAN_KEEP_FORMATTING="", LC_ALL="C.UTF-8")
-    proc = subprocess.run(
-        ["man", "-E", "UTF-8", "-P", "cat", "-l", path], capture_output=True, env=env, timeout=60
-    )
-    if proc.returncode != 0 or not proc.stdout:
-        raise OSError(f"man exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[:200]}")
+    # A session of its own: Ctrl-C, `timeout` and systemd signal the command's whole process
+    # group, and a man killed that way read as a page man rejects (a verdict the rerun kept).
+    # Now only this process gets the signal; as it stops, the except below kills man.
+    with subprocess.Popen(["man", "-E", "UTF-8", "-P", "cat", "-l", path], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=MAN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc)
+            raise RenderStopped(f"man did not render {path} within {MAN_TIMEOUT_S} s (a loaded machine?); "
+                                f"that says nothing about the file, so it gets no verdict: rerun to resume") from None
+        except BaseException:
+            _kill_session(proc)  # outside our process group, so nobody else stops it
+            raise
+    if proc.returncode < 0:
+        raise RenderStopped(f"man was killed by {_signal_name(-proc.returncode)} while rendering {path}; "
+                            f"that says nothing about the file, so it gets no verdict: rerun to resume")
+    if proc.returncode != 0 or not out:
+        raise OSError(f"man exited {proc.returncode}: {err.decode(errors='replace').strip()[:200]}")
     # Overstrike (x\bx for bold, _\bx for underline) is terminal markup, not text.
-    return _OVERSTRIKE.sub("", proc.stdout.decode("utf-8", errors="surrogateescape")).encode(
+    return _OVERSTRIKE.sub("", out.decode("utf-8", errors="surrogateescape")).encode(
         "utf-8", errors="surrogateescape"
     )
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL man and its pipeline (groff, preconv…): its own session is one process group."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # not yet reaped, so the pid (= pgid) is still man's
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _render_pydoc(topic: str) -> bytes:

@@ -16,7 +16,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["Launch", "launch"]
+__all__ = ["LOCAL_GRACE_S", "Launch", "launch"]
+
+#: How long local_launch gives a stopped rank to exit on SIGTERM before SIGKILL. Defined here, not
+#: there, so that this module knows it without importing torch (local_launch does).
+LOCAL_GRACE_S = 10.0
+_STOP_MARGIN_S = 5.0  # for the launcher's own exit once its ranks are gone
 
 
 @dataclass
@@ -45,7 +50,43 @@ class Launch:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
+    def stop_grace_s(self) -> float:
+        """How long the launcher may take to stop its ranks on SIGTERM before it is SIGKILLed:
+        its own grace for the ranks plus a margin for its own exit."""
+        if self.rdzv_endpoint is None:
+            return LOCAL_GRACE_S + _STOP_MARGIN_S
+        try:  # torchrun's --shutdown-timeout, which we do not pass; 30 s unless the environment says
+            grace = float(self.environment().get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        except ValueError:
+            grace = 30.0
+        return grace + _STOP_MARGIN_S
+
 
 def launch(spec: Launch, worker_args: list[str]) -> int:
-    """Run the launcher in the foreground, its output streamed; returns its exit code."""
-    return subprocess.run(spec.command(worker_args), env=spec.environment(), check=False).returncode
+    """Run the launcher in the foreground, its output streamed; returns its exit code.
+
+    When anything interrupts the wait (Ctrl-C, or the exception Prefect raises on SIGTERM),
+    the launcher is asked to stop its ranks before the exception goes on.
+    """
+    proc = subprocess.Popen(spec.command(worker_args), env=spec.environment())
+    try:
+        return proc.wait()
+    except BaseException:
+        # Not subprocess.run: its cleanup SIGKILLs the launcher at once, and a launcher killed so
+        # never stops its ranks, which then went on training (and writing checkpoints) under PID 1.
+        _stop_launcher(proc, spec.stop_grace_s())
+        raise
+
+
+def _stop_launcher(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM (both launchers stop every rank on it), then SIGKILL after `grace_s`."""
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:  # a second Ctrl-C while waiting lands here too: it means now
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
