@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from assay.errors import AssayError
+from assay.parent_death import die_with_parent
 
 # `prefect server start` takes 4-8 s on an idle machine and up to about 20 s
 # on a busy one (the first start also copies the UI into PREFECT_HOME).
@@ -91,16 +93,6 @@ class LocalServer:
         return self.process.returncode
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: on Linux, SIGTERM it when the command that started it dies,
-    even by SIGKILL, so that no server outlives the command that promised to stop it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start_server(host: str = "127.0.0.1", port: int = 4200, log: Path | None = None,
                  timeout: float = STARTUP_TIMEOUT_S) -> LocalServer:
     """Start `prefect server start` on HOST:PORT and return once /api/health answers."""
@@ -124,7 +116,7 @@ def start_server(host: str = "127.0.0.1", port: int = 4200, log: Path | None = N
         # A new session keeps the terminal's Ctrl-C away from the server, so
         # that `assay ui` decides the order of the shutdown.
         process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+                                   stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent())
     server = LocalServer(process, url, log)
     deadline = time.monotonic() + timeout
     try:
@@ -174,7 +166,10 @@ def temporary_server_class() -> type:
             command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
                        "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
                        "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
-            return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            # The parent-death signal follows the thread that forks: only the main thread lives as
+            # long as the command (Prefect starts the server from it for a flow run).
+            tied = die_with_parent() if threading.current_thread() is threading.main_thread() else None
+            return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=tied)
 
     return TiedTemporaryServer
 

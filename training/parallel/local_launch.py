@@ -30,18 +30,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from assay.parent_death import die_with_parent
 from training.parallel.launch import LOCAL_GRACE_S
 
 __all__ = ["LOOPBACK", "main", "rank_environment", "run_ranks"]
 
 LOOPBACK = "127.0.0.1"
 _GRACE_S = LOCAL_GRACE_S  # how long a stopped rank gets to exit on SIGTERM before SIGKILL
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def rank_environment(base: Mapping[str, str], rank: int, nproc: int, port: int, attempt: int, max_restarts: int,
@@ -77,35 +77,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _die_with_launcher() -> Callable[[], None] | None:
-    """A preexec_fn by which a rank gets SIGTERM when the launcher dies, even by SIGKILL (Linux only).
-
-    SIGTERM is how the launcher itself stops a rank, so a rank ends the same way either way;
-    without it, the ranks of a SIGKILLed launcher went on training under PID 1. prctl is looked up
-    here, before the fork: between fork and exec the store's threads may hold locks (the
-    dynamic loader's among them), so the child only makes two system calls.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    launcher = os.getpid()
-
-    def die_with_launcher() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != launcher:  # it died before prctl ran: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return die_with_launcher
-
-
 def _attempt(command: list[str], nproc: int, port: int, attempt: int, max_restarts: int, run_id: str) -> int:
     """Start every rank; 0 when all finish cleanly, else a failed rank's exit code (the lowest
     rank's when several have failed by the time the launcher looks)."""
     # The signal follows the thread that forks, not the process: this one, the main thread, lives
     # as long as the launcher does.
-    die_with_launcher = _die_with_launcher()
+    die_with_launcher = die_with_parent()
     procs = [subprocess.Popen(command, env=rank_environment(os.environ, rank, nproc, port, attempt,
                                                             max_restarts, run_id),
                               preexec_fn=die_with_launcher)
