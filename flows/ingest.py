@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from assay.config import load_params
 from assay.ingest import fingerprint, manifest_for, options_from_params
-from assay.ingest.plan import check_source, plan, unit_key
+from assay.ingest.plan import DEMO_SOURCE, check_source, plan, unit_key
 from assay.ingest.readers import ingest_unit
 from assay.ingest.repeated_ids import quarantine_repeated_ids
 from assay.shards import read_manifest
@@ -39,7 +39,10 @@ def ingest_flow(
     options = options_from_params(params, text_field=text_field, id_field=id_field, source_name=source_name)
     units = plan(sources, options, demo_params=params.demo)
     with exclusive_output(out):  # a second run into OUT would break this one's staging
-        if prepare(out, fingerprint(units, options, params), overwrite=overwrite, inputs=sources):
+        # `demo` names the bundled corpus, never a path: a folder named demo (the parent the lock
+        # makes for `--out demo/raw`, say) is not an input.
+        inputs = [s for s in sources if s != DEMO_SOURCE]
+        if prepare(out, fingerprint(units, options, params), overwrite=overwrite, inputs=inputs):
             print(f"{out} is up to date with its inputs; nothing to do")
             return read_manifest(out)
         futures = ingest_unit_task.map(list(range(len(units))), units, unmapped(out), unmapped(options))

@@ -200,3 +200,18 @@ def test_a_second_cli_run_into_the_same_output_is_refused_and_the_first_is_untou
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (out / "manifest.json").is_file() and not lock_path(out).exists()
+
+
+def test_the_demo_keyword_is_not_a_folder_the_lock_made(tmp_path, monkeypatch):
+    """`assay ingest demo --out demo/raw`: the lock makes demo/ for its file, and the overlap check
+    then took the keyword `demo` for that folder ("lies inside the input demo"). Found by
+    tests/test_memory_bound.py in the clean-clone run."""
+    from flows.ingest import ingest_flow
+
+    params = tmp_path / "params.yaml"
+    params.write_text("demo:\n" + "".join(f"  {key}: 1\n" for key in (
+        "stdlib_files", "package_files", "package_metadata", "package_records", "entry_points", "doc_readmes",
+        "doc_news", "doc_changelogs", "debian_changelogs", "doc_copyright")))
+    monkeypatch.chdir(tmp_path)
+    manifest = ingest_flow(["demo"], "demo/raw", params_file=str(params))
+    assert manifest["shards"] and (tmp_path / "demo" / "raw" / "manifest.json").is_file()
