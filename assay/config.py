@@ -39,6 +39,10 @@ class IOParams:
     batch_bytes: int = 16 * 2**20
 
 
+#: How JSON lines are read (`ingest.jsonl_parser`): Arrow blocks, or every line in Python.
+JSONL_PARSERS = ("arrow", "lines")
+
+
 @dataclass
 class IngestParams:
     #: Records (files, JSON lines, rows) above this many bytes are quarantined
@@ -57,6 +61,16 @@ class IngestParams:
     encoding_confidence: float = 0.9
     #: Legacy single-byte encodings we are willing to decode.
     fallback_encodings: list[str] = field(default_factory=lambda: ["cp1252", "latin_1", "iso8859_15"])
+    #: JSON lines: "arrow" (blocks through pyarrow.json, Python only for the lines it rejects)
+    #: or "lines" (every line in Python, the reference). Same documents and quarantine.
+    jsonl_parser: str = "arrow"
+    #: Bytes of JSON lines per Arrow call and kind/lang batch (4 MiB: measured, IngestOptions).
+    jsonl_block_bytes: int = 4 * 2**20
+    #: Worker threads that parse and classify a JSONL file's blocks while its reading thread
+    #: writes them. "auto": 2 when the run's tasks leave a core idle (fewer units than
+    #: min(flow.max_workers, cores): one big file, say), else 0 (everything on the reading
+    #: thread, the least CPU). A number sets it for every file.
+    jsonl_threads: int | str = "auto"
 
 
 @dataclass
@@ -715,7 +729,8 @@ DEVICE_PATTERN = re.compile(rf"auto|(?:{'|'.join(TORCH_DEVICE_TYPES)})(?::(?:0|[
 
 #: Settings with a fixed set of values. The code that uses each checks it too (code builds these
 #: dataclasses directly); this refuses a typo on loading, not after the stages before it have run.
-CHOICES: dict[str, tuple[str, ...]] = {"train.model.attention": TRAIN_ATTENTIONS, "vectors.backend": VECTOR_BACKENDS}
+CHOICES: dict[str, tuple[str, ...]] = {"train.model.attention": TRAIN_ATTENTIONS, "vectors.backend": VECTOR_BACKENDS,
+                                       "ingest.jsonl_parser": JSONL_PARSERS}
 #: The settings assay.devices.pick_device reads.
 DEVICE_KEYS = ("static.encoder.device", "domain.model.device", "train.device", "score.device")
 
@@ -990,6 +1005,8 @@ def _check_value(key: str, value: Any) -> None:
     check_range(key, value)
     if key in CHOICES and value not in CHOICES[key]:
         raise AssayError(f"params: {key} = {value!r} should be one of {', '.join(CHOICES[key])}")
+    if key == "ingest.jsonl_threads" and isinstance(value, str) and value != "auto":
+        raise AssayError(f"params: {key} = {value!r} should be auto or a number of threads (0 or more)")
     if key in DEVICE_KEYS and not DEVICE_PATTERN.fullmatch(value):
         raise AssayError(f"params: {key} = {value!r} should be auto or a torch device (cpu, cuda, cuda:1, mps, ...)")
     if key == "ingest.fallback_encodings":

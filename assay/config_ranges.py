@@ -27,6 +27,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "ingest.max_bytes": AT_LEAST_1,
     "ingest.unit_bytes": AT_LEAST_1,
     "ingest.encoding_confidence": SHARE,
+    "ingest.jsonl_block_bytes": AT_LEAST_1,
+    "ingest.jsonl_threads": COUNT,
     "demo.*": COUNT,
     "static.heuristics.*.*_ratio": SHARE,
     "static.heuristics.*.*_frac": SHARE,

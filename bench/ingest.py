@@ -26,9 +26,11 @@
    invalid UTF-8, NUL bytes, a non-object, a missing text field, an empty
    text), through every tool once: what each keeps and what it loses; the
    run fails unless both of our readers quarantine exactly the injected lines.
-Everything runs in one process. Ours runs on the reading thread by default,
-and once more with two worker threads that parse and check blocks while the
-reading thread writes (`jsonl_threads: 2`); `datasets` parses on Arrow's
+Everything runs in one process. Ours runs on the reading thread alone
+(`jsonl_threads: 0`, what `auto` gives a run with a file for every core), and
+with one and two worker threads that parse and check blocks while the reading
+thread writes (`jsonl_threads: 2` is what `auto` gives a run of one file on
+two or more cores, as here); `datasets` parses on Arrow's
 thread pool; datatrove runs on one thread.
 """
 
@@ -147,8 +149,9 @@ def floor_tool(path, out, params):
 
 def tools():
     """The tools by name; their modules are imported here, so no timing includes an import."""
-    found = {"assay, Arrow blocks (default: on the reading thread)": assay_tool("arrow"),
-             "assay, Arrow blocks, 2 worker threads (jsonl_threads: 2)": assay_tool("arrow", jsonl_threads=2),
+    found = {"assay, Arrow blocks, on the reading thread (jsonl_threads: 0)": assay_tool("arrow", jsonl_threads=0),
+             "assay, Arrow blocks, 1 worker thread (jsonl_threads: 1)": assay_tool("arrow", jsonl_threads=1),
+             "assay, Arrow blocks, 2 worker threads (jsonl_threads: 2, auto for one file)": assay_tool("arrow", jsonl_threads=2),
              "assay, line by line (reference)": assay_tool("lines"),
              "floor: pyarrow.json + assay's Parquet writer, nothing else": floor_tool}
     try:
@@ -229,8 +232,10 @@ def write_dirty(clean, dirty) -> dict[int, int]:
             written += 1
             if i % 100 == 99:
                 kind = (i // 100) % len(BAD_LINES)
-                out.write(BAD_LINES[kind] + b"\n")
                 written += 1
+                # Each its own id: the kept cp1252 lines would otherwise repeat one id,
+                # and ingest quarantines a repeated id (assay.ingest.repeated_ids).
+                out.write(BAD_LINES[kind].replace(b'"id": "bad"', b'"id": "bad-%d"' % written) + b"\n")
                 bad[written] = kind
     return bad
 

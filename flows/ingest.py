@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from prefect import flow, task, unmapped
 from prefect.cache_policies import NO_CACHE
 
 from assay.config import load_params
-from assay.ingest import fingerprint, manifest_for, options_from_params
+from assay.ingest import fingerprint, jsonl_threads_for_run, manifest_for, options_from_params
 from assay.ingest.plan import DEMO_SOURCE, check_source, plan, unit_key
 from assay.ingest.readers import ingest_unit
 from assay.ingest.repeated_ids import quarantine_repeated_ids
@@ -38,6 +39,8 @@ def ingest_flow(
     params = load_params(params_file)
     options = options_from_params(params, text_field=text_field, id_field=id_field, source_name=source_name)
     units = plan(sources, options, demo_params=params.demo)
+    threads = jsonl_threads_for_run(params.ingest.jsonl_threads, len(units), params.flow.max_workers)
+    options = dataclasses.replace(options, jsonl_threads=threads)
     with exclusive_output(out):  # a second run into OUT would break this one's staging
         # `demo` names the bundled corpus, never a path: a folder named demo (the parent the lock
         # makes for `--out demo/raw`, say) is not an input.

@@ -758,6 +758,57 @@ def test_any_number_of_worker_threads_gives_what_the_line_reader_gives(tmp_path,
     assert fast == reference and without_parser_counts(counts) == without_parser_counts(ref_counts)
 
 
+def test_auto_threads_go_to_a_file_only_where_a_core_would_idle():
+    from assay.ingest import AUTO_JSONL_THREADS, jsonl_threads_for_run
+
+    assert jsonl_threads_for_run("auto", units=1, max_workers=2, cores=2) == AUTO_JSONL_THREADS
+    assert jsonl_threads_for_run("auto", units=2, max_workers=2, cores=2) == 0  # every core has a file
+    assert jsonl_threads_for_run("auto", units=1, max_workers=1, cores=2) == 0  # one task at a time asked for
+    assert jsonl_threads_for_run("auto", units=1, max_workers=4, cores=1) == 0  # one core
+    assert jsonl_threads_for_run(3, units=50, max_workers=2, cores=2) == 3  # a number is taken as it is
+
+
+@needs_flow
+def test_the_flow_gives_one_big_file_worker_threads_and_resumes_whatever_their_number(tmp_path, monkeypatch):
+    import assay.ingest
+
+    monkeypatch.setattr(assay.ingest, "available_cores", lambda: 2)  # what CI's 2-core machine reports
+    path = write_dirty(tmp_path / "dirty.jsonl")
+    reference, _ = run_reader(path, tmp_path / "lines", "lines")
+    params = tmp_path / "params.yaml"
+    params.write_text(f"ingest:\n  max_bytes: {MAX_BYTES}\n  jsonl_block_bytes: 1024\nflow:\n  max_workers: 2\n")
+    out = tmp_path / "out"
+    manifest = ingest([path], out, params_file=str(params))
+    assert manifest["params"]["ingest"]["jsonl_threads"] == 2
+    assert read_dataset(out) == reference
+
+    # Threads change when the work is done, not what is written: the run is up to date.
+    params.write_text(f"ingest:\n  max_bytes: {MAX_BYTES}\n  jsonl_block_bytes: 1024\n  jsonl_threads: 0\n"
+                      "flow:\n  max_workers: 2\n")
+    assert ingest([path], out, params_file=str(params))["created_at"] == manifest["created_at"]
+
+    # Two files on two workers keep both cores busy: none.
+    second = tmp_path / "second.jsonl"
+    second.write_text('{"id": "s", "text": "A second file."}\n')
+    params.write_text(f"ingest:\n  max_bytes: {MAX_BYTES}\nflow:\n  max_workers: 2\n")
+    assert ingest([path, second], tmp_path / "two", params_file=str(params))["params"]["ingest"]["jsonl_threads"] == 0
+
+
+@pytest.mark.parametrize("value, message", [
+    ("many", "ingest.jsonl_threads = 'many' should be auto or a number of threads"),
+    (-1, r"ingest.jsonl_threads = -1 should be in \[0, inf\]"),
+    (True, "ingest.jsonl_threads = True should be"),
+    (1.5, "ingest.jsonl_threads = 1.5 should be"),
+])
+def test_a_jsonl_threads_setting_that_is_neither_auto_nor_a_count_names_the_key(value, message):
+    from assay.config import params_from_dict
+
+    with pytest.raises(AssayError, match=message):
+        params_from_dict({"ingest": {"jsonl_threads": value}})
+    with pytest.raises(AssayError, match="ingest.jsonl_parser = 'fast' should be one of arrow, lines"):
+        params_from_dict({"ingest": {"jsonl_parser": "fast"}})
+
+
 def test_a_negative_thread_count_is_a_clear_error():
     from assay.ingest.plan import IngestOptions
 

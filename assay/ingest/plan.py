@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from assay.config import JSONL_PARSERS
 from assay.errors import AssayError
 
 HF_PREFIX = "hf:"
 DEMO_SOURCE = "demo"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
-JSONL_PARSERS = ("arrow", "lines")
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,9 @@ class IngestOptions:
     #: (8 MiB: as 4), and with 1% bad lines 2.6-2.9 against 2.8-3.2.
     jsonl_block_bytes: int = 4 * 2**20
     #: Worker threads that parse, check and classify JSONL blocks while the
-    #: reading thread writes the ones before; 0 (the default) does everything
-    #: on the reading thread. Threads can only pay where cores are free, and
-    #: they cost CPU: on the shared 2-core machine (load 3-4), 248 MB of
-    #: bench/ingest.py's file took 2.17 CPU s and 3.7 s with 2 threads against
-    #: 1.63 CPU s and 2.6 s with none (medians of 5, alternating).
+    #: reading thread writes the ones before; 0 does everything on the reading
+    #: thread. Threads pay only where cores are free, and they cost CPU, so
+    #: params.yaml's `auto` is resolved per run (`assay.ingest.jsonl_threads_for_run`).
     jsonl_threads: int = 0
 
     def __post_init__(self) -> None:
