@@ -226,10 +226,15 @@ def query(
     from assay import report
     from assay.config import load_params
     from assay.encoder import shared_encoder
+    from assay.stages.dedup import STATUSES
 
+    # Any other status matches no document, and an empty table would read as "nothing similar"
+    # rather than as a typo. "" is a typo too, not "no filter".
+    if status is not None and status not in STATUSES:
+        raise AssayError(f"--status {status!r}: not a document status; use one of {', '.join(STATUSES)}")
     with _store(data) as store:  # opened first: a wrong --data is told before the encoder loads
         vector = shared_encoder(load_params(_params_file()).static.encoder).encode([text])[0]
-        hits = store.near(vector, k, where={"status": status} if status else None)
+        hits = store.near(vector, k, where={"status": status} if status is not None else None)
     report.hits(hits, json_output, exact=store.exact)
 
 
@@ -256,7 +261,7 @@ def cluster(
     data: Path = DATA_OPTION,
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """The members of ID's duplicate clusters (near and semantic), with their status."""
+    """The members of ID's duplicate clusters (exact, near-duplicate and semantic), with their status."""
     from assay import report
 
     with _store(data) as store:
@@ -273,14 +278,15 @@ def sources(
     data: Path = DATA_OPTION,
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Sources in the graph; with --overlap, the pairs of sources that share duplicate clusters."""
+    """Sources in the graph with their document counts; with --overlap, the pairs of sources that share
+    duplicate clusters."""
     from assay import report
 
-    if not overlap:
-        raise AssayError("only `assay sources --overlap` is available")
     with _store(data) as store:
-        rows = store.source_overlap()
-    report.overlap(rows, json_output)
+        if overlap:
+            report.overlap(store.source_overlap(), json_output)
+        else:
+            report.source_counts(store.source_counts(), str(data), json_output)
 
 
 @app.command()
@@ -435,10 +441,14 @@ def show(
 ) -> None:
     """Show one document (or its quarantine record) by id."""
     from assay import report
-    from assay.lineage import find_document
+    from assay.lineage import decisions_for, find_document
 
     row = find_document(data, doc_id)
     if row is None:
+        dropped = [r for r in decisions_for(data, doc_id) if not r["kept"]]
+        if dropped:  # the stage that made DATA judged it: say so, rather than "not in" alone
+            raise AssayError(f"{doc_id}: not in {data}: its stage dropped it ({dropped[0]['reason']}); "
+                             f"`assay why {doc_id} --data {data}` shows the decision")
         raise AssayError(f"{doc_id}: not in {data} (neither a document nor quarantined)")
     report.as_json(row) if json_output else report.document(row, full)
 
@@ -665,9 +675,11 @@ def ui_command(
     """
     import time
 
-    from assay.prefect_server import interrupt_on_termination, start_server
+    from assay.prefect_server import start_server
 
-    interrupt_on_termination()
+    # SIGTERM and SIGHUP end the wait below as Ctrl-C does (`main` installs `_stop` for all three,
+    # also over the SIGINT a shell leaves ignored for `assay ui &`), so the server, in a session of
+    # its own and out of the terminal's reach, is stopped too.
     started = time.monotonic()
     print(f"starting the Prefect server on {host}:{port} ...", file=sys.stderr, flush=True)
     server = start_server(host, port)
@@ -680,6 +692,7 @@ def ui_command(
             time.sleep(0.5)
         raise AssayError(f"the Prefect server stopped by itself (code {server.process.returncode}); see {server.log}")
     except KeyboardInterrupt:
+        _STOPPED_BY.clear()  # a signal is how this command is meant to end: handled here, exit 0
         print("stopping the Prefect server ...", file=sys.stderr, flush=True)
     finally:
         server.stop()
@@ -761,7 +774,7 @@ def main(argv: list[str] | None = None) -> None:
     except AssayError as exc:
         if debug:
             raise
-        print(f"assay: error: {exc}", file=sys.stderr)
+        print(f"assay: error: {_printable(str(exc))}", file=sys.stderr)
         sys.exit(1)
     except Exception as exc:  # a bug: one line, unless the user asked for more
         if debug:
@@ -771,8 +784,17 @@ def main(argv: list[str] | None = None) -> None:
                   "start one with `assay ui`, or unset PREFECT_API_URL to use a temporary one", file=sys.stderr)
             sys.exit(1)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"assay: internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(f"assay: internal error: {type(exc).__name__}: {_printable(message)} (rerun with --debug for the traceback)",
+              file=sys.stderr)
         sys.exit(2)
+
+
+def _printable(message: str) -> str:
+    """`message` with its control characters escaped (ESC as the four characters \\x1b): errors quote ids, paths and
+    values as the user gave them, and an escape sequence among them would restyle or rewrite the
+    terminal rather than show what was wrong. Tabs and line ends stay."""
+    return "".join(f"\\x{ord(c):02x}" if (ord(c) < 32 and c not in "\t\n") or 127 <= ord(c) < 160 else c
+                   for c in message)
 
 
 def _stopped(signum: int, exc: BaseException) -> None:

@@ -9,8 +9,8 @@ import pyarrow.compute as pc
 
 from assay.errors import AssayError
 from assay.schema import DECISION_SCHEMA
-from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, iter_batches, list_shards, open_shard, read_manifest,
-                          read_shard, require_documents)
+from assay.shards import (DECISIONS_DIR, QUARANTINE_DIR, iter_batches, open_shard, read_manifest, read_shard,
+                          require_documents, stream_shards)
 
 
 def find_document(directory: str | Path, doc_id: str) -> dict[str, Any] | None:
@@ -18,19 +18,19 @@ def find_document(directory: str | Path, doc_id: str) -> dict[str, Any] | None:
     require_documents(directory)
     for batch in iter_batches(directory, filter_ids=[doc_id]):
         return {**batch.slice(0, 1).to_pylist()[0], "status": "document"}
+    stream_shards(directory, QUARANTINE_DIR)  # all there, or an error: not "not in DIR" for a lost part
     for batch in iter_batches(Path(directory) / QUARANTINE_DIR, filter_ids=[doc_id]):
         row = batch.slice(0, 1).to_pylist()[0]
         raw = row.pop("raw")
         row["raw_preview"] = raw[:400].decode("utf-8", errors="replace") if raw else None
-        row["raw_bytes"] = len(raw) if raw else None
+        row["raw_bytes"] = len(raw) if raw is not None else None  # an empty file's record holds b"": 0 bytes
         return {**row, "status": "quarantined"}
     return None
 
 
 def decisions_for(directory: str | Path, doc_id: str) -> list[dict[str, Any]]:
-    folder = Path(directory) / DECISIONS_DIR
     rows = []
-    for shard in list_shards(folder):
+    for shard in stream_shards(directory, DECISIONS_DIR):  # a lost part is an error, not fewer decisions
         # A damaged shard (garbage bytes, cut short) is an error that names it, not pyarrow's
         # traceback: the footer and the columns are checked first, then the filtered read.
         open_shard(shard, shard, DECISION_SCHEMA, ("id", "stage", "kept", "reason", "scores"))

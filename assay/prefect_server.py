@@ -181,16 +181,3 @@ def stop_temporary_server() -> None:
     server = module.SubprocessASGIServer._instances.get(None) if module else None
     if server is not None and server.running:
         server.stop()
-
-
-def interrupt_on_termination() -> None:
-    """Make SIGTERM and SIGHUP end the foreground wait like Ctrl-C does, so the
-    server (in its own session, out of the terminal's reach) is stopped too."""
-
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    # Started in the background (`assay ui &`), a shell leaves SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)

@@ -273,6 +273,22 @@ def overlap(rows, json_output: bool) -> None:
     console.print(table if data else "no two sources share a duplicate cluster")
 
 
+def source_counts(rows: list[tuple[str, int]], data: str, json_output: bool) -> None:
+    data_rows = [{"source": name, "documents": n} for name, n in rows]
+    if json_output:
+        as_json(data_rows)
+        return
+    if not data_rows:
+        print(f"no document in the graph of {data} has a source")
+        return
+    table = Table(title=Text(f"sources in the graph of {data}"))
+    whole_column(table, "source")  # a name cut with "…" could not be grepped for
+    whole_column(table, "documents", justify="right")
+    for row in data_rows:  # Text: a source name from the input ("[b]x") is text, not rich markup
+        table.add_row(Text(row["source"]), f"{row['documents']:,}")
+    print_table(table)
+
+
 def graph_node(node: dict, json_output: bool) -> None:
     if json_output:
         as_json(node)

@@ -38,7 +38,7 @@ from assay.errors import AssayError
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.lineage import scores_behind
 from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, json_object,
-                          list_shards, open_shard, read_shard)
+                          list_shards, open_shard, read_shard, stream_shards)
 
 __all__ = ["CHART_CLASS", "ReportInputs", "build_report", "duplicate_clusters", "dynamic_thresholds", "made_by",
            "measure_labelled_code", "require_stage_outputs", "why_stories"]
@@ -212,7 +212,7 @@ def _column_names(shard: Path) -> list[str]:
 
 
 def _decisions(directory: Path, columns: list[str]) -> pa.Table | None:
-    shards = list_shards(directory / DECISIONS_DIR)
+    shards = stream_shards(directory, DECISIONS_DIR)  # a lost part is an error, not smaller counts
     if not shards:
         return None
     return pa.concat_tables(read_shard(s, columns=columns) for s in shards)
@@ -795,9 +795,20 @@ def _dedup_section(inputs: ReportInputs) -> Section:
     section.text(f"{len(clusters):,} clusters hold {total:,} documents; the largest has {largest:,}. "
                  f"{total - len(clusters):,} duplicates were dropped, one document kept per cluster."
                  + (f" The knowledge graph ({html.escape(str(graph.get('backend')))}) holds {graph.get('clusters'):,} "
-                    "cluster nodes (near-duplicate and semantic); <code>assay cluster ID</code> lists one's members."
-                    if isinstance(graph.get("clusters"), int) else ""))
+                    f"cluster nodes{_cluster_kinds(graph.get('clusters_by_kind'))}, one per group of each kind, so "
+                    "a document in an exact and a near-duplicate group is in two; <code>assay cluster ID</code> "
+                    "lists one's members." if isinstance(graph.get("clusters"), int) else ""))
     return section
+
+
+def _cluster_kinds(by_kind: Any) -> str:
+    """The kinds of the graph's cluster nodes from the manifest's counts, as ' (12 exact, 30 near-duplicate,
+    8 semantic)'; '' where it has none (a dedup output from before 2026-12-07)."""
+    names = {"exact": "exact", "near": "near-duplicate", "semantic": "semantic"}
+    if not isinstance(by_kind, dict) or not by_kind:
+        return ""
+    return " (" + ", ".join(f"{n:,} {names.get(k, html.escape(str(k)))}" for k, n in by_kind.items()
+                            if isinstance(n, int)) + ")"
 
 
 # --- 5. loss curves -------------------------------------------------------------------------------------------------------
@@ -946,7 +957,7 @@ def why_stories(ids: list[str], datasets: list[Path]) -> dict[str, list[dict[str
     stories: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
     for directory in datasets:
         created = (_manifest(directory) or {}).get("created_at", "")
-        for shard in list_shards(Path(directory) / DECISIONS_DIR):
+        for shard in stream_shards(directory, DECISIONS_DIR):
             table = read_shard(shard, filters=pc.field("id").isin(wanted))
             for row in table.to_pylist():
                 row["scores"] = dict(row["scores"]) if row["scores"] else {}

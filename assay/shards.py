@@ -326,13 +326,39 @@ def require_dataset(directory: str | os.PathLike) -> Path:
     if not (directory / MANIFEST).is_file() and not list_shards(directory):
         raise AssayError(f"{directory}: not an Assay dataset (no {MANIFEST} and no part-*.parquet)")
     if (directory / MANIFEST).is_file():
-        listed = read_manifest(directory).get("shards")
-        missing = [name for name in listed or [] if not (directory / name).is_file()]
-        if missing:  # reading on would silently judge, count or train on part of the dataset
-            raise AssayError(f"{directory}: {len(missing)} of the {len(listed)} shards its {MANIFEST} lists are "
-                             f"missing ({missing[0]}{' ...' if len(missing) > 1 else ''}); restore them or "
-                             "rerun the stage that wrote it")
+        _require_listed(directory, read_manifest(directory).get("shards"), "shards")
     return directory
+
+
+def stream_shards(directory: str | os.PathLike, stream: str) -> list[Path]:
+    """The shards of a dataset's `stream` folder (``decisions/``, ``quarantine/``...), checked
+    against the parts its manifest lists, where the manifest lists them (since 2026-12-07)."""
+    directory = Path(directory)
+    listed = None
+    if (directory / MANIFEST).is_file():
+        streams = read_manifest(directory).get("streams")
+        if streams is not None:
+            listed = streams.get(stream, [])  # listed streams are every stream the stage wrote
+    _require_listed(directory / stream, listed, f"{stream}/ shards")
+    return list_shards(directory / stream)
+
+
+def _require_listed(folder: Path, listed: list[str] | None, what: str) -> None:
+    """`folder` holds exactly the part files its manifest lists (None: it lists none, so any)."""
+    if listed is None:
+        return
+    missing = [name for name in listed if not (folder / name).is_file()]
+    if missing:  # reading on would silently judge, count, explain or train on part of the dataset
+        raise AssayError(f"{folder}: {len(missing)} of the {len(listed)} {what} its {MANIFEST} lists are "
+                         f"missing ({missing[0]}{' ...' if len(missing) > 1 else ''}); restore them or "
+                         "rerun the stage that wrote it")
+    known = set(listed)
+    extra = [p.name for p in list_shards(folder) if p.name not in known]
+    if extra:  # a copy or a leftover: read on, its rows would be counted (and their ids) twice
+        raise AssayError(f"{folder}: {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''} "
+                         f"{'is' if len(extra) == 1 else 'are'} not among the {len(listed)} {what} its {MANIFEST} "
+                         f"lists, so not part of this dataset; move {'it' if len(extra) == 1 else 'them'} away, or "
+                         "rerun the stage that wrote it")
 
 
 #: The columns that make a shard a document shard: every dataset's `part-*.parquet` has them
@@ -489,11 +515,28 @@ def json_object(path: str | os.PathLike) -> dict[str, Any] | None:
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise AssayError(f"{directory}: no {MANIFEST}; the stage that writes it did not finish") from None
     except json.JSONDecodeError as exc:
         raise AssayError(f"{path}: corrupt manifest ({exc})") from None
+    # Readers trust its shape (the shard lists above all): valid JSON of another shape is as corrupt.
+    if not isinstance(manifest, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+            type(manifest), "null")
+        raise AssayError(f"{path}: corrupt manifest ({kind}, not a JSON object)")
+    if not _names(manifest.get("shards", [])):
+        raise AssayError(f"{path}: corrupt manifest (shards should be a list of file names)")
+    streams = manifest.get("streams", {})
+    if not (isinstance(streams, dict) and all(_names(names) for names in streams.values())):
+        raise AssayError(f"{path}: corrupt manifest (streams should map a folder to a list of file names)")
+    if not isinstance(manifest.get("counts", {}), dict):
+        raise AssayError(f"{path}: corrupt manifest (counts should be an object)")
+    return manifest
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
 
 
 def kept_nothing(dataset: str | os.PathLike) -> bool:

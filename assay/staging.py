@@ -268,6 +268,7 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
     built = building(out)
     counters: Counter[str] = Counter()
     shards = []
+    streams: dict[str, list[str]] = {}  # decisions/, quarantine/...: listed as shards are, for readers to check
     for unit in units:
         result = finished_unit(out, unit)
         if result is None:
@@ -285,8 +286,11 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
                     raise RuntimeError(f"staged file {src} vanished before commit")
                 if stream == DOCS:
                     shards.append(dest.name)
+                else:
+                    streams.setdefault(stream, []).append(dest.name)
     built.mkdir(parents=True, exist_ok=True)  # a stage whose units all came out empty
-    manifest = {"format": DATASET_FORMAT, **manifest, "shards": shards}  # the format is what prepare trusts
+    # The format is what prepare trusts.
+    manifest = {"format": DATASET_FORMAT, **manifest, "shards": shards, "streams": streams}
     write_manifest(built, manifest)
     publish_directory(built, out, staging / SET_ASIDE)
     shutil.rmtree(staging, ignore_errors=True)

@@ -421,3 +421,55 @@ def test_why_refuses_a_decisions_scores_or_run_folder_as_show_does(ingested, tmp
     bad = document_id("records.jsonl", "line:4")
     story = json.loads(run("why", bad, "--data", empty, "--data", out, "--json").stdout)
     assert [row["reason"] for row in story] == ["invalid:json", "invalid:json"]
+
+
+def test_a_dataset_whose_parts_differ_from_its_manifest_is_refused_naming_the_part(ingested, tmp_path):
+    """Found by a probe (2026-12-07): a copied part-*.parquet was counted (391 ids twice in `stats`),
+    and a lost decisions/ or quarantine/ part made `why` and `show` answer "no decisions" / "not in"."""
+    out = ingested["out"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    for stream in ("decisions", "quarantine"):
+        assert manifest["streams"][stream] == sorted(p.name for p in (out / stream).glob("part-*.parquet"))
+
+    extra = shutil.copytree(out, tmp_path / "extra")
+    shutil.copy(extra / "part-00000.parquet", extra / "part-00009.parquet")
+    proc = run("stats", extra, check=False)
+    assert proc.returncode == 1 and (
+        f"{extra}: part-00009.parquet is not among the {len(manifest['shards'])} shards its manifest.json lists, "
+        "so not part of this dataset; move it away" in proc.stderr), proc.stderr
+
+    lost = shutil.copytree(out, tmp_path / "lost")
+    (lost / "decisions" / "part-00000.parquet").unlink()
+    proc = run("why", "r1", "--data", lost, check=False)
+    assert proc.returncode == 1 and f"{lost / 'decisions'}: 1 of the {len(manifest['streams']['decisions'])} " \
+        "decisions/ shards its manifest.json lists are missing (part-00000.parquet)" in proc.stderr, proc.stderr
+
+    shutil.rmtree(lost / "quarantine")
+    proc = run("show", document_id("records.jsonl", "line:4"), "--data", lost, check=False)
+    assert proc.returncode == 1 and "quarantine/ shards its manifest.json lists are missing" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("text, why", [("[]", "an array, not a JSON object"), ("null", "null, not a JSON object"),
+                                       ('{"shards": "part-00000.parquet"}', "shards should be a list of file names"),
+                                       ('{"counts": ["lots"]}', "counts should be an object"),
+                                       ('{"streams": {"decisions": "part-00000.parquet"}}',
+                                        "streams should map a folder to a list of file names")])
+def test_a_manifest_of_the_wrong_shape_is_a_corrupt_manifest(ingested, tmp_path, text, why):
+    """Valid JSON of another shape was an internal error (AttributeError: 'list' object has no attribute 'get')."""
+    copy = shutil.copytree(ingested["out"], tmp_path / "copy")
+    (copy / "manifest.json").write_text(text)
+    for args in (["stats", copy], ["show", "r1", "--data", copy], ["why", "r1", "--data", copy]):
+        proc = run(*args, check=False)
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip() == f"assay: error: {copy / 'manifest.json'}: corrupt manifest ({why})", proc.stderr
+
+
+def test_show_counts_an_empty_files_bytes_and_errors_escape_control_characters(ingested):
+    """Found by a probe (2026-12-07): an empty file's record showed `raw_bytes: None`, and an id
+    holding an escape sequence was printed raw into the error line, restyling the terminal."""
+    out = ingested["out"]
+    record = json.loads(run("show", document_id("corpus", "empty.txt"), "--data", out, "--json").stdout)
+    assert record["status"] == "quarantined" and record["raw_bytes"] == 0
+    proc = run("show", "a\x1b[31mRED\x07", "--data", out, check=False)
+    assert proc.returncode == 1 and "\x1b" not in proc.stderr and "\x07" not in proc.stderr
+    assert proc.stderr.startswith("assay: error: a\\x1b[31mRED\\x07: not in"), proc.stderr

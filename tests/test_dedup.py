@@ -142,6 +142,11 @@ def test_the_graph_answers_queries(deduped):
         assert ("repo-a", "repo-b") in {(x, y) for x, y, _ in store.source_overlap()}
         hits = store.near_id(a_id, 3)
         assert hits[0].doc_id == b_id and hits[0].score > 0.9
+    # The report names the graph's cluster nodes by kind (it said "near-duplicate and semantic" of
+    # a count that held exact ones too, found by a probe 2026-12-07).
+    graph = deduped["manifest"]["graph"]
+    assert sum(graph["clusters_by_kind"].values()) == graph["clusters"] and graph["clusters_by_kind"]["near"] >= 1
+    assert set(graph["clusters_by_kind"]) <= {"exact", "near", "semantic"}
 
 
 def test_rerun_updates_the_graph_in_place(deduped):
@@ -178,6 +183,13 @@ def test_cli_queries_answer(deduped):
     assert any({r["source_a"], r["source_b"]} == {"repo-a", "repo-b"} for r in overlap)
     found = run("query", "heap queue priority queue algorithm", "-k", "3")
     assert any(h["path"] == "heapq.py" for h in found["hits"])
+    # A document its stage dropped: said so, with the command that explains it (it was "neither a
+    # document nor quarantined" alone, found by a probe 2026-12-07).
+    dropped = next(d for d in _decisions(deduped["out"]).values() if not d["kept"])
+    proc = subprocess.run([assay, "show", dropped["id"], "--data", str(deduped["out"])], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"assay: error: {dropped['id']}: not in {deduped['out']}: its stage dropped it ({dropped['reason']}); "
+        f"`assay why {dropped['id']} --data {deduped['out']}` shows the decision"), proc.stderr
 
 
 def test_graph_queries_never_write_the_store_and_a_dataset_without_one_says_so(deduped, tmp_path):

@@ -563,3 +563,10 @@ def test_the_report_never_writes_into_an_input_nor_over_files_that_are_not_an_ea
     (tmp_path / "docs" / "notes.md").write_text("mine")
     build_report(inputs, tmp_path / "docs", examples_per_reason=0)
     assert (tmp_path / "docs" / "notes.md").read_text() == "mine" and (tmp_path / "docs" / "index.html").is_file()
+
+
+def test_the_graph_sentence_names_its_cluster_kinds():
+    from assay.report_html import _cluster_kinds
+
+    assert _cluster_kinds({"exact": 29, "near": 20, "semantic": 1}) == " (29 exact, 20 near-duplicate, 1 semantic)"
+    assert _cluster_kinds(None) == ""  # a dedup output from before the counts were kept

@@ -112,3 +112,28 @@ def test_a_killed_command_takes_its_temporary_server_with_it(tmp_path):
     proc.kill()
     proc.communicate(timeout=60)
     assert not _gone(servers), "the temporary server outlived a killed command"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_assay_ui_stopped_by_sigterm_or_sighup_stops_its_server_and_exits_0(tmp_path, signum):
+    """`assay ui` is meant to end by a signal: it stops its server (in a session of its own, which
+    the signal does not reach) and exits 0, as Ctrl-C does in tests/test_ui.py."""
+    from ports import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([ASSAY, "ui", "--port", str(port)], cwd=tmp_path,
+                            env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # printed once the server answers ("" if the command ended)
+        assert line.startswith("Prefect UI: "), (line, proc.poll())
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no server process"
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
+    assert not _gone(children), "the server outlived `assay ui`"

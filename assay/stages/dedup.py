@@ -37,12 +37,15 @@ from assay.stages.shard_stage import open_planned
 from assay.staging import UnitResult, UnitWriter, finished_unit
 from filters.exact_dedup import choose_kept, normalized_hashes
 from filters.minhash import SIG_DTYPE, band_keys, candidate_pairs_for_band, clusters, has_shingles, signatures
+from assay.stages.graph import KEPT
 from filters.semantic_dedup import REASON as SEMANTIC_DUP
 from filters.semantic_dedup import semantic_duplicates
 
 STAGE = "dedup"
 EXACT_DUP = "exact_dup"
 NEAR_DUP = "near_dup"
+#: A document's status in the graph: kept, or the reason dedup dropped it (`assay query --status`).
+STATUSES = (KEPT, EXACT_DUP, NEAR_DUP, SEMANTIC_DUP)
 CLUSTER = "cluster"
 EMBEDDINGS = "embeddings"
 #: The scans' signatures, in the output's staging area (removed with it at commit).

@@ -7,7 +7,7 @@ uuid5 ids, so a later run updates the graph in place.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -64,4 +64,6 @@ def upsert_graph(out: str, corpus, verdicts, vectors: np.ndarray | None, params:
         store.upsert_documents(records())
         total = store.count()
         backend = type(store).__name__
-    return {"backend": backend, "documents": len(corpus.ids), "clusters": len(groups), "store_count": total}
+    by_kind = Counter(kind for kind, _ in groups.values())
+    return {"backend": backend, "documents": len(corpus.ids), "clusters": len(groups),
+            "clusters_by_kind": dict(sorted(by_kind.items())), "store_count": total}

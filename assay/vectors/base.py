@@ -167,6 +167,19 @@ def overlap_from_memberships(pairs: Iterable[tuple[str, str | None]]) -> list[tu
     return sorted(((a, b, n) for (a, b), n in counts.items()), key=lambda t: (-t[2], t[0], t[1]))
 
 
+def counts_by_source(pairs: Iterable[tuple[str | None, int]]) -> list[tuple[str, int]]:
+    """(source, documents) pairs → [(source, documents)], most documents first, then by name.
+
+    Documents without a source (None) belong to no Source node and are left out; a source
+    named in several pairs gets their sum.
+    """
+    counts: Counter[str] = Counter()
+    for source, n in pairs:
+        if source is not None:
+            counts[source] += int(n)
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
+
 def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     chunk: list[Any] = []
     for item in items:
@@ -229,6 +242,10 @@ class VectorStore(ABC):
     @abstractmethod
     def source_overlap(self) -> list[tuple[str, str, int]]:
         """[(source_a, source_b, clusters with documents of both)], most shared first."""
+
+    @abstractmethod
+    def source_counts(self) -> list[tuple[str, int]]:
+        """[(source, documents it has in the graph)], most documents first, then by name."""
 
     @abstractmethod
     def count(self) -> int:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import threading
@@ -57,7 +58,7 @@ import faiss
 import numpy as np
 
 from assay.errors import AssayError
-from assay.shards import TMP_MARKER, atomic_write_json
+from assay.shards import TMP_MARKER, atomic_write_json, first_line
 from assay.vectors.base import (
     DOCUMENT_PROPERTIES,
     PLACEHOLDER_KIND,
@@ -69,6 +70,7 @@ from assay.vectors.base import (
     check_document,
     check_where,
     chunked,
+    counts_by_source,
     overlap_from_memberships,
 )
 
@@ -188,6 +190,16 @@ def _normalise(vectors: np.ndarray, ids: Sequence[str]) -> np.ndarray:
     return vectors / norms[:, None]
 
 
+def _damaged(file: Path, what: str) -> AssayError:
+    """The error for a store file that cannot be read as written: which file, and how to get a good one.
+
+    The dedup output is a DVC output with `persist: true`, and a rerun of the same inputs finds the
+    dataset complete and keeps it, so "rerun" alone would change nothing: the output goes first.
+    """
+    return AssayError(f"{file}: {what}; the vector store cannot be read: restore it (`dvc checkout`) or rerun "
+                      "the stage that wrote it (remove the dedup output, then `assay run dedup`)")
+
+
 class LocalVectorStore(VectorStore):
     """faiss + SQLite, persisted under `path` (see the module docstring)."""
 
@@ -229,12 +241,7 @@ class LocalVectorStore(VectorStore):
         if not graph.is_file():
             raise AssayError(f"vector store {self.path}: {POINTER} names {generation.name}, which has no {GRAPH_FILE}")
         self._generation = _generation_number(generation.name) or 0
-        disk = sqlite3.connect(f"{graph.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            disk.backup(self._db)
-        finally:
-            disk.close()
-        self._db.executescript(SCHEMA)
+        self._load_graph(graph)
         meta = dict(self._db.execute("SELECT key, value FROM meta"))
         if meta.get("dim"):
             self._dim = int(meta["dim"])
@@ -242,12 +249,58 @@ class LocalVectorStore(VectorStore):
             index_file = generation / INDEX_FILE
             if not index_file.is_file():
                 raise AssayError(f"vector store {self.path}: {generation.name} lacks {INDEX_FILE}")
-            self._index = faiss.read_index(str(index_file))
+            self._index = self._read_index(index_file)
+            if self._index.d != self._dim:
+                raise _damaged(index_file, f"holds vectors of dimension {self._index.d}, {GRAPH_FILE} says {self._dim}")
             if isinstance(self._index, faiss.IndexHNSW):
                 self._index.hnsw.efSearch = HNSW_EF_SEARCH
             self._live = np.zeros(self._index.ntotal, dtype=bool)
             rows = np.fromiter((r for (r,) in self._db.execute("SELECT row FROM documents WHERE row IS NOT NULL")), dtype=np.int64)
+            if len(rows) and (rows.min() < 0 or rows.max() >= self._index.ntotal):
+                # A graph and an index of different generations (a file copied over by hand):
+                # the rows would name other documents' vectors, or none.
+                raise _damaged(index_file, f"holds {self._index.ntotal} vectors, but {GRAPH_FILE} names row "
+                                           f"{int(rows.max())}")
             self._live[rows] = True
+
+    def _load_graph(self, graph: Path) -> None:
+        """Copy `graph` into the in-memory database; a damaged file is an error that names it.
+
+        Checked here, once, rather than left to the first query: a file cut short fails the
+        copy, but damage inside a page copies fine and would surface later as SQLite's
+        "malformed" from whichever query reads it, and an empty file opens as an empty graph
+        that answers every lookup with "not in the graph". `quick_check` costs about as much
+        as the row scan below (0.2 s for 500k documents).
+        """
+        if graph.stat().st_size == 0:
+            raise _damaged(graph, "empty (0 bytes)")
+        disk = sqlite3.connect(f"{graph.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            disk.backup(self._db)
+            check = [line for (line,) in self._db.execute("PRAGMA quick_check")]
+            if check != ["ok"]:
+                # "*** in database main ***\nPage 3: btreeInitPage() returns error code 11": one line.
+                detail = " ".join(check[0].replace("*** in database main ***", "").split())
+                raise _damaged(graph, f"damaged ({detail})")
+            self._db.executescript(SCHEMA)
+            formats = self._db.execute("SELECT value FROM meta WHERE key = 'format'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise _damaged(graph, f"damaged ({first_line(exc)})") from None
+        finally:
+            disk.close()
+        if formats is None:
+            # Every saved generation records its format: a database without it is not a store's.
+            raise _damaged(graph, "not a vector store graph (no format in its meta table)")
+
+    @staticmethod
+    def _read_index(index_file: Path) -> faiss.Index:
+        try:
+            return faiss.read_index(str(index_file))
+        except (RuntimeError, MemoryError) as exc:  # MemoryError: garbage read as a huge size
+            # faiss's messages start with a C++ function and source line, which tell the user
+            # nothing; a file cut short is "'ret == (size)' failed: read error in ...: 5 != 48".
+            message = re.sub(r"^Error in .*? at \S+:\d+: ", "", first_line(exc))
+            raise _damaged(index_file, f"damaged ({'cut short' if 'read error' in message else message})") from None
 
     def _remove_leftovers(self) -> None:
         if not self.path.is_dir():
@@ -649,6 +702,15 @@ class LocalVectorStore(VectorStore):
             self._check_open()
             pairs = self._db.execute("SELECT DISTINCT m.cluster_id, d.source FROM memberships m JOIN documents d USING (doc_id)")
             return overlap_from_memberships(pairs)
+
+    def source_counts(self) -> list[tuple[str, int]]:
+        with self._lock:
+            self._check_open()
+            # Counted from the documents, not the sources table: a source whose documents all
+            # moved to another stays in that table with none, as its Source object stays in
+            # Weaviate, and both backends list what the documents say.
+            pairs = self._db.execute("SELECT source, COUNT(*) FROM documents GROUP BY source")
+            return counts_by_source(pairs)
 
     def count(self) -> int:
         with self._lock:

@@ -204,6 +204,14 @@ def test_source_overlap(graph):
     assert graph.source_overlap() == EXPECTED_OVERLAP
 
 
+def test_source_counts(graph, corpus):
+    """`assay sources`: each source with its documents, most first, then by name (none: in no source)."""
+    from collections import Counter
+
+    counts = Counter(r.source for r in corpus.records if r.source is not None)
+    assert graph.source_counts() == sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
+
 def test_clusters_written_before_or_after_documents(store):
     vectors = unit_vectors(3, seed=3)
     # A document naming a cluster that does not exist yet: a placeholder.
