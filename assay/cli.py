@@ -531,7 +531,7 @@ def diff_command(
     console.print(f"{result['path']} (stage {result['stage']}): {result['documents_a']:,} documents at {rev_a} "
                   f"({result['commit_a'][:8]}) → {result['documents_b']:,} at {rev_b} ({result['commit_b'][:8]})")
     summary = Table(title=f"{result['removed']:,} removed, {result['added']:,} added",
-                    caption=f"an added document's reason is why {rev_a} did not have it")
+                    caption=f"an added document's reason is why {rev_a} did not have it" if result["added"] else None)
     for name in ("change", "reason", "documents"):
         summary.add_column(name, justify="right" if name == "documents" else "left")
     for change in ("removed", "added"):

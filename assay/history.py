@@ -146,7 +146,10 @@ def document_count(fs, path: str, rev: str) -> int:
     manifest = f"{path}/{MANIFEST}"
     if fs.exists(manifest):
         with fs.open(manifest, "r") as handle:
-            counts = json.load(handle).get("counts", {})
+            recorded = json.load(handle)
+        # Another shape (hand-edited): count the shards' rows instead, as for a directory without one.
+        counts = recorded.get("counts", {}) if isinstance(recorded, dict) else {}
+        counts = counts if isinstance(counts, dict) else {}
         for key in ("kept", "documents"):
             if isinstance(counts.get(key), int):
                 return counts[key]

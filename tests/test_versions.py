@@ -168,6 +168,10 @@ def test_diff_names_added_and_removed_documents_with_their_reasons(two_versions)
     assert cli["removed_by_reason"] == result["removed_by_reason"] and len(cli["rows"]) == 5
     text = _run([ASSAY, "diff", "v1", "HEAD", "--repo", str(repo), "--limit", "1"], repo, env).stdout
     assert "length:too_long" in text and "4 more" in text
+    assert "an added document's reason is why v1 did not have it" in " ".join(text.split())  # a wrapped caption
+    # The note on added documents only where some are (a probe, 2026-12-07: it stood under "0 added").
+    same = _run([ASSAY, "diff", "v1", "v1", "--repo", str(repo)], repo, env).stdout
+    assert "0 removed, 0 added" in same and "an added document's reason" not in same
 
     # The workspace was not touched: data/ still holds v2, and git sees no change.
     assert _run(["git", "status", "--porcelain"], repo, env).stdout == ""
@@ -263,3 +267,20 @@ def test_a_repo_that_is_a_file_or_missing_is_a_one_line_error(tmp_path):
         list_versions(repo=tmp_path / "README.md")
     with pytest.raises(AssayError, match="no such directory"):
         list_versions(repo=tmp_path / "nope")
+
+
+@pytest.mark.parametrize("text", ["[]", '{"counts": ["lots"]}', '{"counts": {"documents": "many"}}'])
+def test_a_hand_edited_manifest_counts_the_shards_rows(tmp_path, text):
+    """`assay versions` counts a version's documents from its manifest; one of another shape was an
+    internal AttributeError (a probe, 2026-12-07). The shards' footers answer instead."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from assay.history import document_count
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": ["a", "b", "c"]}), folder / "part-00000.parquet")
+    (folder / "manifest.json").write_text(text)
+    assert document_count(fsspec.filesystem("file"), str(folder), "HEAD") == 3
