@@ -232,6 +232,8 @@ def query(
     # rather than as a typo. "" is a typo too, not "no filter".
     if status is not None and status not in STATUSES:
         raise AssayError(f"--status {status!r}: not a document status; use one of {', '.join(STATUSES)}")
+    if not text.strip():  # an empty text embeds to some vector all the same, and its "neighbours" mean nothing
+        raise AssayError("query: TEXT is empty; give the words to search for")
     with _store(data) as store:  # opened first: a wrong --data is told before the encoder loads
         vector = shared_encoder(load_params(_params_file()).static.encoder).encode([text])[0]
         hits = store.near(vector, k, where={"status": status} if status is not None else None)
@@ -593,6 +595,9 @@ def export_command(
         _print_json(result)
         return
     print(f"exported {result['run']} step {result['step']} ({result['parameters']:,} parameters) to {result['out']}")
+    if not result["finished"]:
+        print(f"note: {result['run']} has not finished (no metrics.json): this is an intermediate checkpoint, and "
+              "its model card says so", file=sys.stderr)
     print(f"load: AutoModelForCausalLM.from_pretrained({str(result['out'])!r})")
 
 
@@ -604,6 +609,7 @@ def run_dynamic(
     run: Path = typer.Option(..., "--run", help="The training run whose telemetry is read (e.g. runs/round-0)."),
     out: Path = typer.Option(..., "--out", "-o", help="Output dataset directory (e.g. data/curated)."),
     overwrite: bool = typer.Option(False, help="Replace OUT when it holds a dataset of other inputs."),
+    allow_data_change: bool = typer.Option(False, "--allow-data-change", help="Judge --in although --scores were computed on another version of it (only the documents whose ids were scored are judged)."),
     json_output: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
 ) -> None:
     """Tier 2: drop documents by their training signals (params.yaml: dynamic).
@@ -620,7 +626,7 @@ def run_dynamic(
 
     _prepare_flow_run()
     manifest = run_flow(str(input_dir), str(scores), str(run), str(out), overwrite=overwrite,
-                        params_file=_params_file())
+                        params_file=_params_file(), allow_data_change=allow_data_change)
     report.as_json(manifest) if json_output else report.stage_summary(manifest)
 
 

@@ -678,6 +678,19 @@ class TrainModelParams:
     moe_bias_gamma: float = 0.001
     rope_theta: float = 10000.0
 
+    def __post_init__(self) -> None:
+        # The model refuses these too, but only once training has started, as an internal error
+        # that names no key (a probe, 2026-12-07): said here, on loading, naming the keys.
+        if self.dim % self.n_heads:
+            raise AssayError(f"params: train.model.dim = {self.dim} should be a multiple of train.model.n_heads = "
+                             f"{self.n_heads} (each head gets dim / n_heads)")
+        if (self.dim // self.n_heads) % 2:
+            raise AssayError(f"params: train.model.dim / train.model.n_heads = {self.dim // self.n_heads} should be "
+                             "even (rotary embeddings turn pairs of each head's dimensions)")
+        if self.ffn == "moe" and self.moe_topk > self.n_experts:
+            raise AssayError(f"params: train.model.moe_topk = {self.moe_topk} should be at most "
+                             f"train.model.n_experts = {self.n_experts}")
+
 
 @dataclass
 class TrainTelemetryParams:

@@ -121,6 +121,13 @@ def _untracked_digest(directory: Path, shards: list[str]) -> tuple[str, dict[str
     return "local-" + digest.hexdigest(), files
 
 
+def content_digest(directory: str | os.PathLike) -> str:
+    """The digest an untracked dataset is named by (``local-...``), of any dataset on disk, tracked or not:
+    to compare a version named by its bytes with one DVC names by its md5."""
+    directory = Path(directory)
+    return _untracked_digest(directory, _shard_names([p.name for p in directory.iterdir()]))[0]
+
+
 def _shard_names(names: list[str]) -> list[str]:
     return sorted(n for n in names if SHARD_PATTERN.match(n))
 

@@ -12,7 +12,8 @@ from prefect.cache_policies import NO_CACHE
 from assay.config import load_params
 from assay.shards import read_manifest
 from assay.stages.dynamic import (STAGE, dynamic_unit, read_run_telemetry, read_scores, require_same_signals,
-                                  require_scores_of_input, require_scores_of_run, require_signals,
+                                  require_scores_of_input, require_scores_of_run, require_scores_of_version,
+                                  require_signals,
                                   signals_fingerprint, verdicts)
 from assay.stages.shard_stage import plan_shards, require_unchanged, stage_fingerprint, stage_manifest
 from assay.output_lock import exclusive_output
@@ -30,7 +31,7 @@ def verdicts_task(scores_dir: str, run_dir: str, params):
 
 @flow(name="dynamic", log_prints=True)
 def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwrite: bool = False,
-                 params_file: str | None = None) -> dict:
+                 params_file: str | None = None, allow_data_change: bool = False) -> dict:
     """Tier 2 over the dataset INPUT_DIR into OUT, from SCORES_DIR and RUN_DIR's telemetry; returns the manifest."""
     started = time.perf_counter()
     params = load_params(params_file)
@@ -39,6 +40,8 @@ def dynamic_flow(input_dir: str, scores_dir: str, run_dir: str, out: str, overwr
     # refused rather than answered "up to date".
     require_scores_of_run(scores_dir, run_dir)
     require_scores_of_input(scores_dir, [u.shard for u in units], input_dir)
+    if not allow_data_change:
+        require_scores_of_version(scores_dir, input_dir)
     section = {"dynamic": dataclasses.asdict(params.dynamic), "io": dataclasses.asdict(params.io)}
     section["signals"] = signals_fingerprint(scores_dir, run_dir)
     fingerprint = stage_fingerprint(units, section)

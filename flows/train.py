@@ -48,6 +48,9 @@ def train_flow(data: str, out: str, rev: str | None = None, resume: bool = False
     m = result.metrics
     if result.resumed_from:
         print(f"resumed from step {result.resumed_from}")
+    if result.resumed_from is not None and result.resumed_from > params.steps:
+        print(f"note: the run was already at step {result.resumed_from}, past train.steps = {params.steps}; "
+              "nothing was trained (a run is never cut back: --overwrite starts again)")
     val = "n/a" if m["val_loss"] is None else f"{m['val_loss']:.3f}, accuracy {m['val_accuracy']:.3f}"
     print(f"train → {out}: {m['steps']} steps, final loss {m['final_loss']:.3f}, validation loss {val}, "
           f"{m['skipped_steps']} skipped step(s)")

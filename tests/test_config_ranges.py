@@ -90,3 +90,17 @@ def test_a_value_its_stage_would_refuse_or_ignore_is_one_line_on_loading(tmp_pat
     with pytest.raises(AssayError) as caught:
         load_params(path)
     assert str(caught.value) == line
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"dim": 33, "n_heads": 2}, r"train.model.dim = 33 should be a multiple of train.model.n_heads = 2"),
+    ({"dim": 34, "n_heads": 2}, r"train.model.dim / train.model.n_heads = 17 should be even"),
+    ({"ffn": "moe", "n_experts": 4, "moe_topk": 5}, r"train.model.moe_topk = 5 should be at most train.model.n_experts = 4"),
+])
+def test_a_model_shape_the_model_refuses_is_refused_on_loading_naming_the_keys(model, message):
+    """They were `assay: internal error: ValueError` once training had started (a probe, 2026-12-07)."""
+    from assay.config import params_from_dict
+    from assay.errors import AssayError
+
+    with pytest.raises(AssayError, match=message):
+        params_from_dict({"train": {"model": model}})

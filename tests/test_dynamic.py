@@ -637,9 +637,50 @@ def test_scores_of_another_dataset_are_refused_and_unscored_documents_are_shown(
 
     ids = [f"a{i}" for i in range(4)] + [f"new{i}" for i in range(3)]  # partly scored: judged, and said
     partial = write_dataset(tmp_path / "partial", ids, ["text"] * len(ids))
-    manifest = dynamic_flow(str(partial), str(run0 / "scores"), str(run0), str(tmp_path / "cur"), params_file=params)
+    with pytest.raises(AssayError, match=r"r0/scores: scored on data local-\w+, but .*partial is now local-\w+"):
+        dynamic_flow(str(partial), str(run0 / "scores"), str(run0), str(tmp_path / "cur"), params_file=params)
+    manifest = dynamic_flow(str(partial), str(run0 / "scores"), str(run0), str(tmp_path / "cur"), params_file=params,
+                            allow_data_change=True)
     assert manifest["counts"]["not_scored"] == 3
     printed = io.StringIO()
     monkeypatch.setattr(report, "console", Console(file=printed, width=120))
     report.stage_summary(manifest)
     assert re.search(r"not scored.* 3 ", printed.getvalue()), printed.getvalue()
+
+
+def test_scores_of_other_texts_under_the_same_ids_are_refused(two_scored_runs, tmp_path, prefect_harness):
+    """The ids check passed scores of a dataset whose texts had changed under the same ids, and tier 2
+    judged each document by another text's signals, exit 0 (a probe, 2026-12-07)."""
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.shards import ShardWriter
+    from flows.dynamic import dynamic_flow
+
+    data, run0 = two_scored_runs["r0"]
+    table = pq.read_table(data / "part-00000.parquet")
+    edited = table.set_column(table.schema.get_field_index("text"), "text",
+                              pa.array([f"{t} (edited)" for t in table.column("text").to_pylist()], pa.large_string()))
+    with ShardWriter(tmp_path / "edited", DOCUMENT_SCHEMA) as writer:
+        writer.write(edited.cast(DOCUMENT_SCHEMA))
+    with pytest.raises(AssayError, match=r"would be judged by the signals of other texts; score it again") as caught:
+        dynamic_flow(str(tmp_path / "edited"), str(run0 / "scores"), str(run0), str(tmp_path / "cur"),
+                     params_file=str(two_scored_runs["params"]))
+    assert "\n" not in str(caught.value) and not (tmp_path / "cur").exists()
+
+
+def test_scores_taken_before_the_data_was_tracked_still_match_it(two_scored_runs, tmp_path):
+    """Scored while DVC did not track the data (named by its bytes), judged once `dvc add` names it by
+    its md5: the same bytes pass, compared by their digest."""
+    from assay.stages.dynamic import require_scores_of_version
+    from assay.versions import open_version
+    from dvc_repo import dvc_repo, run_ok
+
+    data, run0 = two_scored_runs["r0"]
+    repo, env, dvc = dvc_repo(tmp_path / "repo")
+    tracked = shutil.copytree(data, repo / "data")
+    run_ok([dvc, "add", "data"], repo, env)
+    assert open_version(tracked).tracked
+    require_scores_of_version(run0 / "scores", tracked)  # the same bytes: no error
+    table = pq.read_table(tracked / "part-00000.parquet")
+    pq.write_table(table.take(list(range(table.num_rows))[::-1]), tracked / "part-00000.parquet")  # other bytes
+    with pytest.raises(AssayError, match="scored on data local-"):
+        require_scores_of_version(run0 / "scores", tracked)

@@ -110,6 +110,20 @@ def test_export_cli_and_sparse_refusal(run_dir, tmp_path):
     assert export_run(run_dir, out, overwrite=True)["step"] == 8  # an earlier export is replaced
 
 
+def test_an_unfinished_run_exports_as_an_intermediate_checkpoint_and_says_so(run_dir, tmp_path):
+    """A stopped run exported with no word that it had not finished (a probe, 2026-12-07)."""
+    unfinished = shutil.copytree(run_dir, tmp_path / "unfinished")
+    (unfinished / "metrics.json").unlink()  # the run's last write: as a run stopped before its end
+    proc = subprocess.run([ASSAY, "export", str(unfinished), "--out", str(tmp_path / "e")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "has not finished (no metrics.json): this is an intermediate checkpoint" in proc.stderr
+    card = (tmp_path / "e" / "README.md").read_text()
+    assert "**An intermediate checkpoint:** the run had not finished" in card and "## Metrics" not in card
+    export_run(run_dir, tmp_path / "finished")
+    assert "intermediate checkpoint" not in (tmp_path / "finished" / "README.md").read_text()
+
+
 def test_export_never_deletes_the_run_or_a_folder_that_is_not_an_export(run_dir, tmp_path):
     """--overwrite removed --out whole: with --out the run itself, or a folder holding it, the run was
     deleted (checkpoints and telemetry); with any other folder (`--out .`), that folder."""

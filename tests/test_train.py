@@ -459,7 +459,9 @@ def test_resume_after_kill_9_is_bit_exact(stdlib_data, tmp_path):
     proc.wait()
     assert not (killed / "metrics.json").exists(), "killed too late: the run had finished"
 
-    resumed = _cli([*base, "--out", killed, "--resume"], cwd=tmp_path)
+    # The same command, no --resume: a stopped run's line says "rerun the same command to resume", and
+    # the rerun refused ("holds a run; pass --resume") until 2026-12-07 (a probe).
+    resumed = _cli([*base, "--out", killed], cwd=tmp_path)
     assert "resumed from step 50" in resumed.stdout + resumed.stderr
     assert _history(killed) == _history(tmp_path / "straight")
     assert read_telemetry(killed).equals(read_telemetry(tmp_path / "straight"))
@@ -715,3 +717,19 @@ def test_a_version_says_whether_its_commit_records_its_data(tmp_path):
     write_documents(plain, stdlib_documents(3), source="p")
     untracked = open_version(plain).identity()
     assert not untracked["commit_records_data"] and "untracked data" in _reproduce(untracked)
+
+
+def test_the_same_command_continues_its_run_and_other_settings_are_refused(stdlib_data, tmp_path):
+    """A rerun without --resume into a run of the same data and settings continues it (the stop line
+    says "rerun the same command to resume"); one of other settings is refused, naming the choice."""
+    params = tiny_params(steps=2, checkpoint_every=2)
+    version = open_version(stdlib_data)
+    train(version, tmp_path / "run", params, progress=False)
+    again = train(version, tmp_path / "run", params, progress=False)
+    assert again.resumed_from == 2 and again.steps == 2
+    with pytest.raises(AssayError, match=r"holds a run \(step 2\) of other data or settings; pass --resume"):
+        train(version, tmp_path / "run", dataclasses.replace(params, lr=params.lr * 2), progress=False)
+    # Fewer steps than the run has done: said, not silently ignored (a probe, 2026-12-07).
+    proc = _cli(["--params", _params_file(tmp_path, params), "train", "--data", stdlib_data, "--out", tmp_path / "run",
+                 "--resume", "--steps", "1", "--device", "cpu"], cwd=tmp_path)
+    assert "note: the run was already at step 2, past train.steps = 1; nothing was trained" in proc.stdout + proc.stderr

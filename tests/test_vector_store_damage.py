@@ -128,6 +128,14 @@ def test_query_rejects_a_status_no_document_can_have(dedup_out, status):
                                         f"use one of {VALID_STATUSES}"], proc.stderr
 
 
+@pytest.mark.parametrize("text", ["", "  \n\t"])
+def test_query_refuses_an_empty_text(dedup_out, text):
+    """An empty text was embedded all the same, and its "nearest documents" printed (a probe, 2026-12-07)."""
+    proc = run("query", text, "--data", dedup_out, check=False)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        "assay: error: query: TEXT is empty; give the words to search for"], proc.stderr
+
+
 def test_sources_lists_each_source_with_its_document_count(dedup_out):
     """`assay sources` said "only `assay sources --overlap` is available", though its help lists sources."""
     listed = json.loads(run("sources", "--data", dedup_out, "--json").stdout)

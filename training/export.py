@@ -216,7 +216,7 @@ def _export(run: Path, out: Path, overwrite: bool, checkpoint: str | Path | None
         raise
     publish_directory(built, out, staging / "previous")
     shutil.rmtree(staging)
-    return {"run": str(run), "out": str(out), "step": trainer["step"], "data": data,
+    return {"run": str(run), "out": str(out), "step": trainer["step"], "data": data, "finished": bool(metrics),
             "parameters": sum(p.numel() for p in model.parameters()), "files": sorted(p.name for p in out.iterdir())}
 
 
@@ -234,7 +234,8 @@ def _reproduce(data: dict) -> str:
         why = ("untracked data: no commit records it" if not data.get("tracked") and not data.get("modified_since_dvc")
                else "the workspace held other bytes than DVC recorded" if data.get("modified_since_dvc")
                else "DVC recorded it after that commit (dvc.lock or the .dvc file was not committed yet)")
-        return (f"Commit `{data.get('commit')}` does not hold this data ({why}); only the hash above names it. "
+        commit = f"Commit `{data['commit']}`" if data.get("commit") else "No commit (not in a git repository)"
+        return (f"{commit} does not hold this data ({why}); only the hash above names it. "
                 "Track it with DVC and commit its record to make it a version others can check out.")
     return ("Reproduce the data: `git checkout <commit> && dvc pull`, or read it in place with "
             f"`assay train --data {data.get('path')} --rev <commit>`.")
@@ -251,15 +252,19 @@ def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dic
         "to rotate-half).", "",
         "## Dataset version", "",
         f"- path: `{data.get('path')}`",
-        f"- rev: `{version}`, commit `{data.get('commit')}`",
+        f"- rev: `{version}`" + (f", commit `{data['commit']}`" if data.get("commit") else ", no git commit"),
         f"- DVC hash: `{data.get('data_hash')}` ({_hash_kind(data)})",
         "", _reproduce(data), "",
         "## Architecture", "",
-        f"{args.n_layers} layers, hidden {args.dim}, {args.n_heads} heads, SwiGLU {args.ffn_hidden}, "
+        f"{args.n_layers} layer{'s' if args.n_layers != 1 else ''}, hidden {args.dim}, {args.n_heads} "
+        f"head{'s' if args.n_heads != 1 else ''}, SwiGLU {args.ffn_hidden}, "
         f"vocabulary {args.vocab_size} (byte-level BPE), context {args.max_seq_len}, RoPE theta {args.rope_theta}.",
         "Trained on one document per row, each ending with `<|endoftext|>`, with no BOS: "
         "the tokenizer adds no special tokens.", "",
     ]
+    if not metrics:  # metrics.json is the run's last write: without it, this is a checkpoint of a run under way or stopped
+        lines += ["**An intermediate checkpoint:** the run had not finished when this was exported (it has no "
+                  "`metrics.json`), so there are no held-out metrics.", ""]
     if metrics:
         lines += ["## Metrics (held-out split of the same dataset version)", ""]
         for key in ("steps", "final_loss_mean10", "val_loss", "val_accuracy", "train_tokens", "skipped_steps"):

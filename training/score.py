@@ -276,6 +276,10 @@ def _resolve_checkpoints(run_dir: Path, wanted: list[int | str]) -> list[_Checkp
     for w in wanted:
         if w == "last":
             path = latest_checkpoint(run_dir)
+            if path is None and available:  # step folders, but `latest` missing or naming one that is gone
+                raise AssayError(f"{run_dir}: its {CHECKPOINTS}/latest names no complete checkpoint, though it holds "
+                                 f"{', '.join(available)}; name one (`--checkpoint STEP`), or resume the run to "
+                                 "write `latest` again")
             if path is None:
                 raise AssayError(f"{run_dir}: no checkpoint (train it first with `assay train`)")
         else:

@@ -255,11 +255,13 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
             raise AssayError(f"--resume: {out} was trained in {state.get('precision', 'fp32')}, params.train.precision "
                              f"is {params.precision}; a run cannot move in or out of fp16's loss scaling")
         return checkpoint
-    if not overwrite:
-        raise AssayError(f"{out} holds a run (step {state['step']}); pass --resume to continue it "
-                         "or --overwrite to start again")
     if same_data and same_config:
-        return checkpoint  # the same run, killed earlier: continue it rather than redo it
+        # The same run, stopped or killed earlier: the same command continues it, as every stage's
+        # rerun resumes (it refused without --resume, though the stop said "rerun to resume").
+        return checkpoint
+    if not overwrite:
+        raise AssayError(f"{out} holds a run (step {state['step']}) of other data or settings; pass --resume to "
+                         "continue it anyway or --overwrite to start again")
     _wipe(out)
     return None
 

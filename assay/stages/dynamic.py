@@ -120,6 +120,29 @@ def require_scores_of_input(scores_dir: str | Path, shards: Sequence[str], input
                          f"another dataset?); score it (`assay score --data {input_dir}`) or pass its scores")
 
 
+def require_scores_of_version(scores_dir: str | Path, input_dir: str | Path) -> None:
+    """Refuse scores computed on another version of the data than `input_dir` (`--allow-data-change`
+    passes them): the ids may be the same and the texts not, and each document would be judged by the
+    signals of another text (a probe, 2026-12-07, with the ids check above passing).
+
+    Compared by the identity `assay score` records (DVC's md5, or the digest of the bytes of data DVC
+    does not track, as training compares its --resume); where one side is named by DVC and the
+    other by its bytes, by the bytes. Scores whose manifest records none are not checked.
+    """
+    from assay.versions import content_digest, open_version
+
+    recorded = ((_scores_manifest(scores_dir).get("inputs") or {}).get("dataset") or {}).get("data_hash")
+    if not isinstance(recorded, str):
+        return
+    now = open_version(input_dir).data_hash
+    if now != recorded and recorded.startswith("local-") and not now.startswith("local-"):
+        now = content_digest(input_dir)  # tracked now, scored while it was not: compare the bytes
+    if now != recorded:
+        raise AssayError(f"{scores_dir}: scored on data {recorded}, but {input_dir} is now {now}: its documents "
+                         f"would be judged by the signals of other texts; score it again (`assay score --data "
+                         f"{input_dir}`), or pass --allow-data-change to judge the documents whose ids were scored")
+
+
 def signals_fingerprint(scores_dir: str | Path, run_dir: str | Path) -> dict[str, str]:
     """What the verdicts are made from besides the input shards: a content hash of each folder."""
     return {"scores": file_fingerprint(scores_dir), "telemetry": file_fingerprint(Path(run_dir) / "telemetry")}
