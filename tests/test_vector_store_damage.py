@@ -60,11 +60,13 @@ def _assert_one_line_error(args: list[str], *, names: Path, says: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["graph", "similar"])
-def test_a_truncated_graph_file_is_a_one_line_error_naming_it(dedup_out, command):
-    graph = _generation(dedup_out) / "graph.sqlite"
-    with open(graph, "r+b") as f:
-        f.truncate(graph.stat().st_size // 3)
-    _assert_one_line_error([command, "A", "--data", dedup_out], names=graph, says="damaged")
+@pytest.mark.parametrize("name, part, says", [("graph.sqlite", 3, "damaged"), ("vectors.faiss", 2, "damaged (cut short)")])
+def test_a_truncated_store_file_is_a_one_line_error_naming_it(dedup_out, command, name, part, says):
+    """Each was an internal error: SQLite's DatabaseError, faiss's C++ RuntimeError."""
+    damaged = _generation(dedup_out) / name
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size // part)
+    _assert_one_line_error([command, "A", "--data", dedup_out], names=damaged, says=says)
 
 
 def test_damage_inside_the_graph_file_is_found_when_it_opens(dedup_out):
@@ -97,14 +99,6 @@ def test_a_sqlite_database_that_is_not_a_graph_is_an_error(dedup_out):
     db.commit()
     db.close()
     _assert_one_line_error(["graph", "A", "--data", dedup_out], names=graph, says="not a vector store graph")
-
-
-@pytest.mark.parametrize("command", ["graph", "similar"])
-def test_a_truncated_index_file_is_a_one_line_error_naming_it(dedup_out, command):
-    index = _generation(dedup_out) / "vectors.faiss"
-    with open(index, "r+b") as f:
-        f.truncate(index.stat().st_size // 2)
-    _assert_one_line_error([command, "A", "--data", dedup_out], names=index, says="damaged (cut short)")
 
 
 def test_an_index_of_another_generation_is_an_error(dedup_out):
