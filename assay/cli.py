@@ -95,6 +95,16 @@ def _prepare_flow_run() -> None:
     tie_temporary_server()
 
 
+def _require_data_early(data: Path, rev: str | None) -> None:
+    """A workspace --data that is no dataset, said before Prefect's temporary server starts (it took
+    17-21 s to say `--data /nonexistent` under load; a probe, 2026-12-07). At a --rev, the flow reads
+    it through DVC, and it need not be in the workspace."""
+    if rev is None:
+        from assay.shards import require_dataset
+
+        require_dataset(data)
+
+
 def _stop(signum: int, frame) -> None:
     """SIGINT, SIGTERM, SIGHUP: unwind as Ctrl-C does, so that Prefect records the run as crashed
     and the output's staging is left to resume; `main` then says so. (During a flow run Prefect
@@ -400,6 +410,7 @@ def train_command(
     6-sigma rule), checkpoints every train.checkpoint_every steps, and resumes
     bit-exactly on CPU.
     """
+    _require_data_early(data, rev)  # before the imports: flows.train brings torch and Prefect (seconds)
     from assay import report
     from flows.train import train_flow
 
@@ -744,6 +755,7 @@ def score_command(
     stratum (score.strata). Resumable: a rerun redoes only missing parts. Read the
     result with training.score.read_scores or `assay run dynamic --scores OUT`.
     """
+    _require_data_early(data, rev)  # before the imports: flows.score brings torch and Prefect (seconds)
     from assay import report
     from flows.score import score_flow
 

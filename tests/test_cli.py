@@ -66,9 +66,12 @@ def test_show_and_why_answer(ingested):
 
 
 def test_errors_are_one_line_without_traceback(ingested, tmp_path):
+    # train and score: said before Prefect's temporary server starts (its log lines were on stderr too).
     for args in (["ingest", tmp_path / "missing", "--out", tmp_path / "o"],
                  ["stats", tmp_path / "missing"],
-                 ["show", "nope", "--data", ingested["out"]]):
+                 ["show", "nope", "--data", ingested["out"]],
+                 ["train", "--data", tmp_path / "missing", "--out", tmp_path / "run"],
+                 ["score", "--run", tmp_path / "run", "--data", tmp_path / "missing", "--out", tmp_path / "s"]):
         proc = run(*args, check=False)
         assert proc.returncode == 1
         assert proc.stderr.strip().startswith("assay: error:"), proc.stderr
