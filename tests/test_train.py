@@ -239,8 +239,11 @@ def test_training_writes_the_run_and_telemetry_contract(stdlib_data, tmp_path):
 def test_a_finished_run_is_not_redone_and_a_used_out_is_not_clobbered(stdlib_data, tmp_path):
     params = tiny_params(steps=4)
     train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+    # The same command again: the finished run stands (it refused until 2026-12-07; now it continues, as
+    # every stage's rerun resumes); other params need --resume or --overwrite.
+    assert train(open_version(stdlib_data), tmp_path / "run", params, progress=False).resumed_from == 4
     with pytest.raises(AssayError, match="--resume .* or --overwrite"):
-        train(open_version(stdlib_data), tmp_path / "run", params, progress=False)
+        train(open_version(stdlib_data), tmp_path / "run", tiny_params(steps=5), progress=False)
     again = train(open_version(stdlib_data), tmp_path / "run", params, overwrite=True, progress=False)
     assert again.resumed_from == 4  # same data and params: the finished run stands
     with pytest.raises(AssayError, match="no checkpoint"):
