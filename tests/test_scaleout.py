@@ -66,8 +66,11 @@ def _run_stages(root: Path, params_file: Path, signals: dict | None) -> dict[str
     run_domain(str(outs["static"]), str(outs["domain"]), params_file=str(params_file))
     run_dedup(str(outs["domain"]), str(outs["dedup"]), params_file=str(params_file))
     if signals is not None:
+        # The scores were computed on the thread run's dedup output; this runner's output holds the same
+        # documents (asserted below) but is another version (its manifest records its own run), which
+        # dynamic refuses unless told: the flag is what a user re-running under another runner passes.
         run_dynamic(str(outs["dedup"]), str(signals["scores"]), str(signals["run"]), str(outs["dynamic"]),
-                    params_file=str(params_file))
+                    params_file=str(params_file), allow_data_change=True)
     return outs
 
 

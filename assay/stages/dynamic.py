@@ -138,8 +138,9 @@ def require_scores_of_version(scores_dir: str | Path, input_dir: str | Path) -> 
     if now != recorded and recorded.startswith("local-") and not now.startswith("local-"):
         now = content_digest(input_dir)  # tracked now, scored while it was not: compare the bytes
     if now != recorded:
-        raise AssayError(f"{scores_dir}: scored on data {recorded}, but {input_dir} is now {now}: its documents "
-                         f"would be judged by the signals of other texts; score it again (`assay score --data "
+        raise AssayError(f"{scores_dir}: scored on data {recorded}, but {input_dir} is now {now} (another run's "
+                         f"output, even of the same documents, is another version): a document whose text changed "
+                         f"would be judged by the signals of another text; score it again (`assay score --data "
                          f"{input_dir}`), or pass --allow-data-change to judge the documents whose ids were scored")
 
 
