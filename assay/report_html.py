@@ -23,7 +23,8 @@ import math
 import re
 import subprocess
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -199,6 +200,8 @@ def require_stage_outputs(inputs: ReportInputs) -> None:
     before anything is read or written."""
     for option, folder in _input_folders(inputs):
         require_folder_or_absent(folder, f"--{option} takes {FOLDER_OPTIONS[option]}")
+    if Path(inputs.labelled).is_dir():  # an option's mistake, not a damaged input: no page is drawn around it
+        raise AssayError(f"{inputs.labelled}: is a directory, not the JSON file expected there (--labelled)")
     for stage, directory in inputs.stage_dirs():
         found = made_by(directory)
         if found is not None and found != stage.name:
@@ -254,15 +257,45 @@ def _parquet_dir(directory: Path, columns: list[str] | None = None) -> pa.Table 
 # --- the page's pieces --------------------------------------------------------------------------------------------
 
 
+#: Each section's key (its anchor) and title, in the page's order.
+SECTION_TITLES = {
+    "inputs": "Inputs",
+    "flow": "Documents kept and dropped, per tier and reason",
+    "scores": "Score histograms with their thresholds",
+    "code-ratio": "Effective-code ratio before and after, on the labelled set",
+    "clusters": "Duplicate clusters",
+    "curves": "Loss curves of round 0 and round 1",
+    "lineage": "Version lineage",
+    "examples": "Example documents dropped, per reason",
+}
+
+
 @dataclass
 class Section:
     key: str
-    title: str
     parts: list[str] = field(default_factory=list)  # HTML fragments, in order
     charts: list[str] = field(default_factory=list)
 
+    @property
+    def title(self) -> str:
+        return SECTION_TITLES[self.key]
+
     def text(self, message: str) -> None:
         self.parts.append(f"<p>{message}</p>")
+
+    def damaged(self, what: str, error: str) -> None:
+        """An input that is there but cannot be read whole (a lost part, a corrupt file): named with its error,
+        and drawn without, rather than drawn from what is left of it."""
+        self.parts.append(f'<div class="damaged"><b>Damaged:</b> {html.escape(what)}: {html.escape(error)}</div>')
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Draw the block inside, or, when an input of it is damaged, say so and go on with the next block:
+        one damaged stage output costs its own charts, not the page."""
+        try:
+            yield
+        except AssayError as exc:
+            self.damaged(what, str(exc))
 
     def missing(self, what: str, how: str) -> None:
         self.parts.append(f'<div class="missing"><b>Missing:</b> {html.escape(what)}. '
@@ -332,14 +365,15 @@ def stage_counts(directory: Path) -> dict[str, Any] | None:
 def _flow_section(inputs: ReportInputs) -> Section:
     import plotly.graph_objects as go
 
-    section = Section("flow", "Documents kept and dropped, per tier and reason")
+    section = Section("flow")
     counts: dict[str, dict[str, Any]] = {}
     for stage, directory in inputs.stage_dirs():
-        found = stage_counts(directory)
-        if found is None:
-            section.missing(f"{stage.label}: no decisions or manifest in {directory}", stage.produce)
-        else:
-            counts[stage.name] = found
+        with section.guard(f"{stage.label}'s output {directory}"):
+            found = stage_counts(directory)
+            if found is None:
+                section.missing(f"{stage.label}: no decisions or manifest in {directory}", stage.produce)
+            else:
+                counts[stage.name] = found
     if not counts:
         return section
 
@@ -501,11 +535,16 @@ def _threshold_lines(signal: str, thresholds: Thresholds) -> tuple[list[tuple[st
     return lines, note
 
 
-def _scores_section(inputs: ReportInputs, thresholds: Thresholds, dropped: set[str]) -> Section:
-    section = Section("scores", "Score histograms with their thresholds")
-    _quality_histogram(section, inputs)
-    _perplexity_histogram(section, inputs)
-    _tier2_histograms(section, inputs, thresholds, dropped)
+def _scores_section(inputs: ReportInputs, thresholds: Thresholds, dropped: set[str], tier2_damage: str | None) -> Section:
+    section = Section("scores")
+    with section.guard(f"tier 1's decisions in {inputs.static}"):
+        _quality_histogram(section, inputs)
+    with section.guard(f"tier 3's decisions in {inputs.domain}"):
+        _perplexity_histogram(section, inputs)
+    if tier2_damage is not None:
+        section.damaged(f"tier 2's decisions in {inputs.curated} (its thresholds and drops are not drawn)", tier2_damage)
+    with section.guard(f"round 0's scores or telemetry ({inputs.scores}, {inputs.round0 / 'telemetry'})"):
+        _tier2_histograms(section, inputs, thresholds, dropped, tier2_damage is not None)
     return section
 
 
@@ -554,7 +593,8 @@ def _perplexity_histogram(section: Section, inputs: ReportInputs) -> None:
             section.chart("score-perplexity", figure)
 
 
-def _tier2_histograms(section: Section, inputs: ReportInputs, thresholds: Thresholds, dropped: set[str]) -> None:
+def _tier2_histograms(section: Section, inputs: ReportInputs, thresholds: Thresholds, dropped: set[str],
+                      tier2_damaged: bool = False) -> None:
     """Tier 2's signals: the scoring pass when it ran, else round 0's telemetry; thresholds from its decisions."""
     scores = _parquet_dir(inputs.scores)
     drawn: set[str] = set()
@@ -588,7 +628,7 @@ def _tier2_histograms(section: Section, inputs: ReportInputs, thresholds: Thresh
                 drawn.add(signal)
         if note:
             section.text(html.escape(note.strip()))
-        if not thresholds:
+        if not thresholds and not tier2_damaged:
             section.missing(f"tier 2's decisions in {inputs.curated} (the thresholds drawn on these histograms)", STAGES[4].produce)
     else:
         section.missing(f"round 0's scoring pass in {inputs.scores} (loss, gradient norm and gradient alignment per document)",
@@ -671,7 +711,7 @@ def measure_labelled_code(model: Path, params_file: str | None = None, seed: int
 def _labelled_section(inputs: ReportInputs) -> Section:
     import plotly.graph_objects as go
 
-    section = Section("code-ratio", "Effective-code ratio before and after, on the labelled set")
+    section = Section("code-ratio")
     section.text("The share of hand-written files among the code kept (the effective-code ratio), on mixes with 5%, "
                  "30% and 60% generated files of the labelled set's evaluation split and of its fresh split (packages "
                  "no calibration saw); labelled by provenance, not by the stage's own rules.")
@@ -769,7 +809,7 @@ def duplicate_clusters(dedup: Path) -> list[tuple[int, str]] | None:
 def _dedup_section(inputs: ReportInputs) -> Section:
     import plotly.graph_objects as go
 
-    section = Section("clusters", "Duplicate clusters")
+    section = Section("clusters")
     clusters = duplicate_clusters(inputs.dedup)
     if clusters is None:
         section.missing(f"dedup's decisions in {inputs.dedup}", STAGES[3].produce)
@@ -826,11 +866,14 @@ def _flagged_steps(run: Path, ids: set[str]) -> dict[int, int]:
     return dict(zip(grouped.column("step").to_pylist(), grouped.column("sample_id_count_distinct").to_pylist()))
 
 
-def _curves_section(inputs: ReportInputs, dropped: set[str]) -> Section:
+def _curves_section(inputs: ReportInputs, dropped: set[str], tier2_damage: str | None) -> Section:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    section = Section("curves", "Loss curves of round 0 and round 1")
+    section = Section("curves")
+    if tier2_damage is not None:
+        section.damaged(f"tier 2's decisions in {inputs.curated} (the steps of the documents it dropped are not "
+                        "marked)", tier2_damage)
     runs = {"round 0": inputs.round0, "round 1": inputs.round1}
     histories = {name: _history(path) for name, path in runs.items()}
     for (name, path), key in zip(runs.items(), ("round0", "round1")):
@@ -892,7 +935,7 @@ def _lineage_section(inputs: ReportInputs) -> Section:
 
     from assay.history import list_versions, version_grid
 
-    section = Section("lineage", "Version lineage")
+    section = Section("lineage")
     how = "dvc repro, then git add dvc.lock && git commit  (each commit that changes a data/ output is a version)"
     try:
         versions = list_versions(inputs.repo)
@@ -1005,16 +1048,19 @@ def _documents(directory: Path, ids: set[str], columns: list[str]) -> dict[str, 
 
 
 def _examples_section(inputs: ReportInputs, out: Path, per_reason: int) -> Section:
-    section = Section("examples", "Example documents dropped, per reason")
-    datasets = [d for _, d in inputs.stage_dirs() if list_shards(d / DECISIONS_DIR)]
-    if not datasets:
+    section = Section("examples")
+    if not any(list_shards(d / DECISIONS_DIR) for _, d in inputs.stage_dirs()):
         section.missing("any stage's decisions", STAGES[0].produce)
         return section
+    datasets: list[Path] = []  # those whose decisions read whole: the `why` stories are told from these
     chosen: list[tuple[StageInfo, str, str, dict[str, float], str | None]] = []
     for stage, directory in inputs.stage_dirs():
-        table = _decisions(directory, ["id", "kept", "reason", "scores", "detail"])
+        table = None
+        with section.guard(f"{stage.label}'s decisions in {directory} (no examples of its drops)"):
+            table = _decisions(directory, ["id", "kept", "reason", "scores", "detail"])
         if table is None:
             continue
+        datasets.append(directory)
         dropped = table.filter(pc.invert(table.column("kept")))
         if dropped.num_rows == 0:
             continue
@@ -1077,6 +1123,7 @@ h1 { margin-top: 24px; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 4px
 nav a { margin-right: 14px; } table { border-collapse: collapse; margin: 12px 0; font-size: 13px; }
 th, td { border: 1px solid #ddd; padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: #f5f5f5; } .missing { background: #fff4e5; border-left: 4px solid #f0a030; padding: 8px 12px; margin: 8px 0; }
+.damaged { background: #fdecea; border-left: 4px solid #d62728; padding: 8px 12px; margin: 8px 0; }
 .changed { background: #e6f4ea; font-weight: 600; } .dim { color: #888; } .tag { background: #eef; padding: 0 4px; }
 .preview { font-family: ui-monospace, monospace; font-size: 12px; white-space: pre-wrap; color: #555; }
 pre { white-space: pre-wrap; font-size: 12px; background: #fafafa; padding: 8px; }
@@ -1086,7 +1133,7 @@ pre { white-space: pre-wrap; font-size: 12px; background: #fafafa; padding: 8px;
 
 
 def _head_section(inputs: ReportInputs) -> Section:
-    section = Section("inputs", "Inputs")
+    section = Section("inputs")
     rows = []
     for label, path in [("raw", inputs.raw), ("static", inputs.static), ("domain", inputs.domain), ("dedup", inputs.dedup),
                         ("curated", inputs.curated), ("round 0", inputs.round0), ("round 0 scores", inputs.scores),
@@ -1100,6 +1147,17 @@ def _head_section(inputs: ReportInputs) -> Section:
     return section
 
 
+def _drawn(key: str, build: Callable[[], Section]) -> Section:
+    """A section, or the section saying which damaged input kept it from being drawn (the blocks inside the
+    sections guard their own inputs; this is for what they read whole, like dedup's decisions)."""
+    try:
+        return build()
+    except AssayError as exc:
+        section = Section(key)
+        section.damaged("an input of this section", str(exc))
+        return section
+
+
 def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int = 3) -> dict[str, Any]:
     """Write OUT/index.html and OUT/why/*.txt; returns a summary (sections, charts, missing inputs)."""
     import plotly.offline
@@ -1110,11 +1168,23 @@ def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int
     require_report_out(inputs, out)
     require_stage_outputs(inputs)
     out.mkdir(parents=True, exist_ok=True)
-    thresholds, dropped = dynamic_thresholds(inputs.curated)
-    sections = [_head_section(inputs), _flow_section(inputs), _scores_section(inputs, thresholds, dropped),
-                _labelled_section(inputs), _dedup_section(inputs), _curves_section(inputs, dropped), _lineage_section(inputs)]
+    tier2_damage = None
+    try:
+        thresholds, dropped = dynamic_thresholds(inputs.curated)
+    except AssayError as exc:  # drawn without tier 2's thresholds and drops; the sections that use them say so
+        thresholds, dropped, tier2_damage = {}, set(), str(exc)
+    builders: list[tuple[str, Callable[[], Section]]] = [
+        ("inputs", lambda: _head_section(inputs)),
+        ("flow", lambda: _flow_section(inputs)),
+        ("scores", lambda: _scores_section(inputs, thresholds, dropped, tier2_damage)),
+        ("code-ratio", lambda: _labelled_section(inputs)),
+        ("clusters", lambda: _dedup_section(inputs)),
+        ("curves", lambda: _curves_section(inputs, dropped, tier2_damage)),
+        ("lineage", lambda: _lineage_section(inputs)),
+    ]
     if examples_per_reason:
-        sections.append(_examples_section(inputs, out, examples_per_reason))
+        builders.append(("examples", lambda: _examples_section(inputs, out, examples_per_reason)))
+    sections = [_drawn(key, build) for key, build in builders]
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     nav = "".join(f'<a href="#{s.key}">{html.escape(s.title.split(",")[0])}</a>' for s in sections)
     body = "".join(f'<section id="{s.key}"><h2>{html.escape(s.title)}</h2>{"".join(s.parts)}</section>' for s in sections)
@@ -1125,7 +1195,8 @@ def build_report(inputs: ReportInputs, out: str | Path, examples_per_reason: int
     atomic_write_bytes(out / PAGE, page.encode("utf-8"))
     summary = {"format": REPORT_FORMAT, "page": str(out / PAGE), "created_at": created, "bytes": len(page.encode("utf-8")),
                "sections": {s.key: {"title": s.title, "charts": s.charts,
-                                    "missing": sum('class="missing"' in p for p in s.parts)} for s in sections},
+                                    "missing": sum('class="missing"' in p for p in s.parts),
+                                    "damaged": sum('class="damaged"' in p for p in s.parts)} for s in sections},
                "charts": [c for s in sections for c in s.charts]}
     atomic_write_json(out / "summary.json", summary)
     return summary

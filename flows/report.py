@@ -35,7 +35,11 @@ def report_flow(out: str = "reports", raw: str = "data/raw", static: str = "data
             print(f"measuring tier 3 on the labelled set with {inputs.models / 'domain'} → {labelled}")
             measure_task(str(inputs.models / "domain"), labelled, params_file)
         summary = build_report(inputs, out, examples)
-        missing = [s["title"] for s in summary["sections"].values() if s["missing"]]
+        missing = [key for key, s in summary["sections"].items() if s["missing"]]
+        damaged = [key for key, s in summary["sections"].items() if s["damaged"]]
         print(f"report → {summary['page']}: {len(summary['charts'])} charts, {summary['bytes'] / 2**20:.1f} MB"
               + (f"; sections with missing inputs: {', '.join(missing)}" if missing else ""))
+        if damaged:
+            print(f"DAMAGED inputs (the page names each file) kept these sections from being drawn whole: "
+                  f"{', '.join(damaged)}")
         return summary

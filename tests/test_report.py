@@ -473,22 +473,42 @@ def test_why_shows_the_scores_behind_a_tier2_reason_first():
     assert scores_behind(None, scores) == []
 
 
-@pytest.mark.parametrize("damage", ["garbage", "cut short"])
-def test_a_damaged_decisions_shard_is_an_error_that_names_it(tmp_path, damage):
-    """The page read decisions with plain pyarrow calls: a damaged shard made `assay report` an internal error."""
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "lost part"])
+def test_a_damaged_stage_output_is_named_and_the_rest_of_the_page_is_drawn(tmp_path, damage):
+    """A damaged decisions shard made `assay report` an internal error, then (2026-12-07) one error for the
+    whole page: now each block that needs it says which file is damaged, and the others are drawn."""
     curated = tmp_path / "data/curated"
     (curated / "decisions").mkdir(parents=True)
     shard = curated / "decisions/part-00000.parquet"
     pq.write_table(pa.table({"id": ["d1"], "stage": ["dynamic"], "kept": [False], "reason": ["dynamic:alignment"],
                              "scores": pa.array([[("alignment", -0.1)]], DECISION_SCHEMA.field("scores").type),
                              "detail": pa.nulls(1, pa.string())}, schema=DECISION_SCHEMA), shard)
-    data = shard.read_bytes()
-    shard.write_bytes(b"PAR1" + b"\x00garbage" * 40 + data[-300:] if damage == "garbage" else data[: len(data) // 2])
+    if damage == "lost part":  # the manifest lists a second part that is gone: counts from the first would be wrong
+        write_manifest(curated, {"stage": "dynamic", "shards": [], "counts": {},
+                                 "streams": {"decisions": [shard.name, "part-00001.parquet"]}})
+        named = "part-00001.parquet"
+    else:
+        data = shard.read_bytes()
+        shard.write_bytes(b"PAR1" + b"\x00garbage" * 40 + data[-300:] if damage == "garbage" else data[: len(data) // 2])
+        named = str(shard)
+    # Dedup's output and round 0's scores are whole: drawn beside the damage.
+    _dedup_decisions(tmp_path / "data/dedup", [("k1", None, None), ("a", "exact_dup", "k1"), ("k2", None, None)])
+    (tmp_path / "runs/round-0/scores").mkdir(parents=True)
+    pq.write_table(pa.table({"step": [4, 4], "sample_id": ["d1", "k1"], "loss": [2.5, 3.0]}),
+                   tmp_path / "runs/round-0/scores/part-00000.parquet")
     inputs = ReportInputs(*(tmp_path / p for p in ("data/raw", "data/static", "data/domain", "data/dedup", "data/curated",
                                                   "runs/round-0", "runs/round-1", "models", "labelled.json")), repo=tmp_path)
-    with pytest.raises(AssayError, match=re.escape(str(shard))) as caught:
-        build_report(inputs, tmp_path / "reports")
-    assert "\n" not in str(caught.value)
+    summary = build_report(inputs, tmp_path / "reports")
+    page = (tmp_path / "reports/index.html").read_text()
+
+    damaged = {key for key, section in summary["sections"].items() if section["damaged"]}
+    assert damaged == {"flow", "scores", "curves", "examples"}, summary["sections"]
+    assert page.count('class="damaged"') == 4 and page.count(named) >= 4
+    assert {"cluster-sizes", "flow-bars", "score-loss"} <= set(summary["charts"]), summary["charts"]
+    # The damage is not told as absence: no "Missing" box for tier 2's decisions.
+    assert "Missing:</b> tier 2&#x27;s decisions" not in page and "Missing:</b> Tier 2" not in page
+    # An example from the whole stage (dedup's `a`) is still there, its `why` story told from dedup alone.
+    assert (tmp_path / "reports/why/a.txt").is_file() and "--data " + str(curated) not in page
 
 
 def test_the_why_story_prints_what_a_tier2_reason_rests_on_first():
