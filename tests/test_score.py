@@ -604,12 +604,13 @@ def test_other_params_need_overwrite_and_bad_inputs_say_why(tiny, scored, tmp_pa
                       progress=False)
     with pytest.raises(AssayError, match="no checkpoint"):
         score_dataset(tmp_path, tiny["data"], tmp_path / "z", score_params(), progress=False)
-    # `latest` gone, its steps still there: said so (it was "no checkpoint (train it first)", a probe 2026-12-07).
+    # `latest` naming a step that is gone, the others still there: said so (it was "no checkpoint (train it
+    # first)", a probe 2026-12-07). A missing `latest` is the newest whole step (tests/test_train.py).
     run = shutil.copytree(tiny["run"], tmp_path / "run", ignore=shutil.ignore_patterns("scores"))
-    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "latest").write_text("step-00000099\n")
     steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    with pytest.raises(AssayError, match=rf"checkpoints/latest names no complete checkpoint, though it holds "
-                                         rf"{', '.join(steps)}; name one"):
+    with pytest.raises(AssayError, match=rf"checkpoints/latest names 'step-00000099', which is not a complete "
+                                         rf"checkpoint, though the run holds {', '.join(steps)}; name one"):
         score_dataset(run, tiny["data"], tmp_path / "w", score_params(), progress=False)
 
 

@@ -250,6 +250,40 @@ def test_a_finished_run_is_not_redone_and_a_used_out_is_not_clobbered(stdlib_dat
         train(open_version(stdlib_data), tmp_path / "empty", params, resume=True, progress=False)
 
 
+def test_a_first_save_cut_before_its_pointer_continues_and_a_broken_pointer_is_named(stdlib_data, tmp_path):
+    """A kill between a save's rename and its `latest` (the first save: no pointer yet) left a whole step
+    folder that nothing read: the same command said "not empty; pass --overwrite", which throws it away.
+    Now a missing pointer means the newest whole step; one naming a gone step is said by train, score and
+    export, with the steps the run holds."""
+    from training.export import export_run
+
+    params = tiny_params(steps=4, checkpoint_every=2)
+    straight = tmp_path / "straight"
+    train(open_version(stdlib_data), straight, params, progress=False)
+    killed = Path(shutil.copytree(straight, tmp_path / "killed"))
+    shutil.rmtree(killed / "checkpoints/step-00000004")
+    (killed / "checkpoints/latest").unlink()
+    (killed / "metrics.json").unlink()
+    result = train(open_version(stdlib_data), killed, params, progress=False)  # the same command
+    assert result.resumed_from == 2 and _history(killed) == _history(straight)
+
+    (killed / "checkpoints/latest").write_text("step-00000006\n")  # a folder deleted by hand
+    said = (r"checkpoints/latest names 'step-00000006', which is not a complete checkpoint, though the run holds "
+            r"step-00000002, step-00000004")
+    for resume in (False, True):
+        with pytest.raises(AssayError, match=said + "; to continue the run, write the newest's name into"):
+            train(open_version(stdlib_data), killed, params, resume=resume, progress=False)
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    with pytest.raises(AssayError, match=said + "; write the name of the one to export into"):
+        export_run(killed, tmp_path / "hf")
+    for pointer, named in ((b"\xff\xfe", "cannot be read"), (b"../../straight/checkpoints/step-00000004",
+                                                              r"names '\.\./\.\./straight.*', which is not")):
+        (killed / "checkpoints/latest").write_bytes(pointer)  # bytes that are not text; a path out of the run
+        with pytest.raises(AssayError, match=f"checkpoints/latest {named}"):
+            train(open_version(stdlib_data), killed, params, progress=False)
+    assert train(open_version(stdlib_data), killed, params, overwrite=True, progress=False).resumed_from is None
+
+
 def test_an_out_that_is_not_a_run_is_one_line_and_left_as_it_was(stdlib_data, tmp_path):
     """`assay train --out` a file stopped on a raw NotADirectoryError; `--out DATA --overwrite` wrote
     the run into its own dataset's folder (changing the data it records); `--out . --overwrite`

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -169,9 +170,47 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     pointer = root / LATEST
     if not pointer.exists():
+        # A first save stopped between renaming its folder and writing the pointer (save_checkpoint):
+        # the folder is whole, since a save renames it only once written; it is the run's latest.
+        complete = complete_checkpoints(run_dir)
+        return complete[-1] if complete else None
+    name = _pointer_name(pointer)
+    path = root / name if name and _STEP_FOLDER.fullmatch(name) else None  # not a path out of the run
+    return path if path is not None and (path / TRAINER_FILE).is_file() else None
+
+
+_STEP_FOLDER = re.compile(r"step-\d{8,}")
+
+
+def _pointer_name(pointer: Path) -> str | None:
+    """What `latest` says, or None when it cannot be read (a folder, bytes that are not text)."""
+    try:
+        return pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
         return None
-    path = root / pointer.read_text().strip()
-    return path if (path / TRAINER_FILE).exists() else None
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's whole step folders, oldest first (a save's temporary folder is not one)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*")
+                  if not p.name.endswith(".tmp-save") and (p / TRAINER_FILE).is_file())
+
+
+def broken_latest(run_dir: str | Path) -> str | None:
+    """What is wrong, when ``latest`` names no complete checkpoint while the run holds some (a step
+    folder deleted or moved by hand, a pointer edited): said by every reader of ``latest``, rather
+    than "no checkpoint" (train, score and export said that, and train's advice was --overwrite)."""
+    if latest_checkpoint(run_dir) is not None:
+        return None
+    complete = complete_checkpoints(run_dir)
+    if not complete:
+        return None
+    named = _pointer_name(Path(run_dir) / CHECKPOINTS / LATEST)
+    said = f"names {named!r}, which is not a complete checkpoint" if named is not None else "cannot be read"
+    return f"{run_dir}: its {CHECKPOINTS}/{LATEST} {said}, though the run holds {', '.join(p.name for p in complete)}"
 
 
 def discard_partial_saves(run_dir: str | Path) -> int:

@@ -34,7 +34,8 @@ from assay.errors import AssayError
 from assay.output_lock import exclusive_output
 from assay.shards import publish_directory, staging_dir
 from assay.staging import require_folder_or_absent, require_not_dangling
-from training.checkpoint import _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
+from training.checkpoint import (CHECKPOINTS, LATEST, _single_process_ok, broken_latest, latest_checkpoint,
+                                 read_trainer_state, safe_reader)
 from training.model import ModelArgs, Transformer
 from training.tokenizer import EOS, PAD, load_tokenizer
 
@@ -76,7 +77,9 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None) ->
         raise AssayError(f"{run}: no such run directory")
     checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(run)
     if checkpoint is None:
-        raise AssayError(f"{run} holds no finished checkpoint (checkpoints/latest); train it first")
+        broken = broken_latest(run)
+        raise AssayError(f"{broken}; write the name of the one to export into {run / CHECKPOINTS / LATEST}" if broken
+                         else f"{run} holds no finished checkpoint (checkpoints/latest); train it first")
     trainer = read_trainer_state(checkpoint)
     why_not = refusal(trainer["model_args"])
     if why_not:

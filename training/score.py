@@ -77,7 +77,8 @@ from assay.staging import SET_ASIDE, building, own_output
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
-from training.checkpoint import CHECKPOINTS, _single_process_ok, latest_checkpoint, read_trainer_state, safe_reader
+from training.checkpoint import (CHECKPOINTS, LATEST, _single_process_ok, broken_latest, complete_checkpoints,
+                                 latest_checkpoint, read_trainer_state, safe_reader)
 from training.data import TokenRows, build_rows, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import Transformer
@@ -270,16 +271,15 @@ class _Checkpoint:
 
 def _resolve_checkpoints(run_dir: Path, wanted: list[int | str]) -> list[_Checkpoint]:
     root = run_dir / CHECKPOINTS
-    available = sorted(p.name for p in root.glob("step-*") if p.is_dir() and ".tmp" not in p.name) \
-        if root.is_dir() else []
+    available = [p.name for p in complete_checkpoints(run_dir)]
     out: list[_Checkpoint] = []
     for w in wanted:
         if w == "last":
             path = latest_checkpoint(run_dir)
-            if path is None and available:  # step folders, but `latest` missing or naming one that is gone
-                raise AssayError(f"{run_dir}: its {CHECKPOINTS}/latest names no complete checkpoint, though it holds "
-                                 f"{', '.join(available)}; name one (`--checkpoint STEP`), or resume the run to "
-                                 "write `latest` again")
+            broken = broken_latest(run_dir) if path is None else None
+            if broken:
+                raise AssayError(f"{broken}; name one (`--checkpoint STEP`), or write its name into "
+                                 f"{root / LATEST}")
             if path is None:
                 raise AssayError(f"{run_dir}: no checkpoint (train it first with `assay train`)")
         else:

@@ -44,7 +44,7 @@ from assay.output_lock import exclusive_output
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.versions import DatasetVersion
-from training.checkpoint import discard_partial_saves, latest_checkpoint, read_trainer_state
+from training.checkpoint import CHECKPOINTS, LATEST, broken_latest, discard_partial_saves, latest_checkpoint, read_trainer_state
 from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
@@ -227,6 +227,10 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
         raise AssayError(f"{out}: {overlap} the dataset {version.path}; choose an --out outside it")
     discard_partial_saves(out)
     checkpoint = latest_checkpoint(out)
+    broken = broken_latest(out) if checkpoint is None and not overwrite else None
+    if broken:  # "not empty; pass --overwrite" would advise throwing the run's checkpoints away
+        raise AssayError(f"{broken}; to continue the run, write the newest's name into {out / CHECKPOINTS / LATEST}, "
+                         "or pass --overwrite to start again")
     if checkpoint is None:
         if resume:
             raise AssayError(f"--resume: {out} holds no checkpoint to resume from")
