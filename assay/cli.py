@@ -261,7 +261,7 @@ def similar(
     from assay import report
 
     with _store(data) as store:
-        if store.get(doc_id) is None:
+        if store.get(doc_id, with_vector=False) is None:
             raise AssayError(f"{doc_id}: not in the graph of {data}")
         hits = store.near_id(doc_id, k)
     report.hits(hits, json_output, exact=store.exact)
@@ -277,9 +277,10 @@ def cluster(
     from assay import report
 
     with _store(data) as store:
-        if store.get(doc_id) is None:
+        if store.get(doc_id, with_vector=False) is None:
             raise AssayError(f"{doc_id}: not in the graph of {data}")
-        result = {c.cluster_id: [dataclasses_as_dict(store.get(m)) for m in store.cluster_members(c.cluster_id)]
+        result = {c.cluster_id: [dataclasses_as_dict(store.get(m, with_vector=False))
+                                 for m in store.cluster_members(c.cluster_id)]
                   for c in store.clusters_of(doc_id)}
     report.clusters(doc_id, result, json_output)
 
@@ -311,7 +312,7 @@ def graph(
     from assay import report
 
     with _store(data) as store:
-        record = store.get(doc_id)
+        record = store.get(doc_id, with_vector=False)
         if record is None:
             raise AssayError(f"{doc_id}: not in the graph of {data}")
         node = {**dataclasses_as_dict(record),

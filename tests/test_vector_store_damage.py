@@ -59,14 +59,29 @@ def _assert_one_line_error(args: list[str], *, names: Path, says: str) -> None:
     assert says in told and "rerun the stage that wrote it" in told and "not in the graph" not in told, lines[0]
 
 
-@pytest.mark.parametrize("command", ["graph", "similar"])
-@pytest.mark.parametrize("name, part, says", [("graph.sqlite", 3, "damaged"), ("vectors.faiss", 2, "damaged (cut short)")])
+@pytest.mark.parametrize("command, name, part, says", [
+    ("graph", "graph.sqlite", 3, "damaged"), ("similar", "graph.sqlite", 3, "damaged"),
+    ("similar", "vectors.faiss", 2, "damaged (cut short)")])
 def test_a_truncated_store_file_is_a_one_line_error_naming_it(dedup_out, command, name, part, says):
     """Each was an internal error: SQLite's DatabaseError, faiss's C++ RuntimeError."""
     damaged = _generation(dedup_out) / name
     with open(damaged, "r+b") as f:
         f.truncate(damaged.stat().st_size // part)
     _assert_one_line_error([command, "A", "--data", dedup_out], names=damaged, says=says)
+
+
+def test_graph_questions_read_no_vector_index(dedup_out):
+    """`graph`, `cluster` and `sources` ask the graph only; they read the faiss index all the same (1.5 GB
+    for a million vectors) and stopped on a damaged one. The index is now read at its first use."""
+    index = _generation(dedup_out) / "vectors.faiss"
+    with open(index, "r+b") as f:
+        f.truncate(index.stat().st_size // 2)
+    graph = json.loads(run("graph", "A", "--data", dedup_out, "--json").stdout)
+    assert graph["doc_id"] == "A" and graph["duplicated_by"] == ["B"] and "vector" not in graph
+    clusters = json.loads(run("cluster", "B", "--data", dedup_out, "--json").stdout)
+    assert [m["doc_id"] for m in clusters["clusters"]["c1"]] == ["A", "B"]
+    assert "repo-a" in run("sources", "--data", dedup_out).stdout
+    _assert_one_line_error(["similar", "A", "--data", dedup_out], names=index, says="damaged (cut short)")
 
 
 def test_damage_inside_the_graph_file_is_found_when_it_opens(dedup_out):

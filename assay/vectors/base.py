@@ -221,7 +221,9 @@ class VectorStore(ABC):
     # --- graph queries ------------------------------------------------------------
 
     @abstractmethod
-    def get(self, doc_id: str) -> DocumentRecord | None: ...
+    def get(self, doc_id: str, *, with_vector: bool = True) -> DocumentRecord | None:
+        """The document with its clusters and what it duplicates, or None. `with_vector=False` leaves
+        `vector` None: a graph question then reads no vector index, and fetches no vector over the network."""
 
     @abstractmethod
     def get_cluster(self, cluster_id: str) -> ClusterRecord | None:

@@ -16,7 +16,8 @@ writer deletes the leftover temporary directory.
 
 While open, the store works on an in-memory copy of the SQLite database
 (loaded with the backup API, so "WAL off" and no journal on disk) and on
-the faiss index in memory; `save()` (and `close()`) persist. The store is a
+the faiss index in memory (read at its first use: graph questions never
+need it); `save()` (and `close()`) persist. The store is a
 single-writer store: two processes writing the same directory each save their
 own state, and the last save wins.
 
@@ -209,10 +210,11 @@ class LocalVectorStore(VectorStore):
         self.read_only = read_only
         self._lock = threading.RLock()
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
-        self._index: faiss.Index | None = None
+        self._unread_index: Path | None = None  # the index file while it is not read (see `_index`)
+        self._index_value: faiss.Index | None = None
+        self._live_value = np.zeros(0, dtype=bool)
         self._kind = "flat"
         self._dim: int | None = None
-        self._live = np.zeros(0, dtype=bool)
         self._generation = 0
         self._dirty = False
         self._closed = False
@@ -249,19 +251,48 @@ class LocalVectorStore(VectorStore):
             index_file = generation / INDEX_FILE
             if not index_file.is_file():
                 raise AssayError(f"vector store {self.path}: {generation.name} lacks {INDEX_FILE}")
-            self._index = self._read_index(index_file)
-            if self._index.d != self._dim:
-                raise _damaged(index_file, f"holds vectors of dimension {self._index.d}, {GRAPH_FILE} says {self._dim}")
-            if isinstance(self._index, faiss.IndexHNSW):
-                self._index.hnsw.efSearch = HNSW_EF_SEARCH
-            self._live = np.zeros(self._index.ntotal, dtype=bool)
-            rows = np.fromiter((r for (r,) in self._db.execute("SELECT row FROM documents WHERE row IS NOT NULL")), dtype=np.int64)
-            if len(rows) and (rows.min() < 0 or rows.max() >= self._index.ntotal):
-                # A graph and an index of different generations (a file copied over by hand):
-                # the rows would name other documents' vectors, or none.
-                raise _damaged(index_file, f"holds {self._index.ntotal} vectors, but {GRAPH_FILE} names row "
-                                           f"{int(rows.max())}")
-            self._live[rows] = True
+            self._unread_index = index_file
+
+    # The faiss index is read at its first use, not on opening: graph questions (`assay graph`,
+    # `cluster`, `sources`) never need it, and a million 384-d vectors are 1.5 GB to read and hold.
+    # A writer reads it on opening (`_ensure_index_kind`). Every user holds `_lock`.
+
+    @property
+    def _index(self) -> faiss.Index | None:
+        if self._unread_index is not None:
+            self._read_and_check_index(self._unread_index)
+        return self._index_value
+
+    @_index.setter
+    def _index(self, index: faiss.Index | None) -> None:
+        self._unread_index = None
+        self._index_value = index
+
+    @property
+    def _live(self) -> np.ndarray:
+        """Which rows of the index hold a document's current vector."""
+        if self._unread_index is not None:
+            self._read_and_check_index(self._unread_index)
+        return self._live_value
+
+    @_live.setter
+    def _live(self, live: np.ndarray) -> None:
+        self._live_value = live
+
+    def _read_and_check_index(self, index_file: Path) -> None:
+        index = self._read_index(index_file)
+        if index.d != self._dim:
+            raise _damaged(index_file, f"holds vectors of dimension {index.d}, {GRAPH_FILE} says {self._dim}")
+        if isinstance(index, faiss.IndexHNSW):
+            index.hnsw.efSearch = HNSW_EF_SEARCH
+        rows = np.fromiter((r for (r,) in self._db.execute("SELECT row FROM documents WHERE row IS NOT NULL")), dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= index.ntotal):
+            # A graph and an index of different generations (a file copied over by hand):
+            # the rows would name other documents' vectors, or none.
+            raise _damaged(index_file, f"holds {index.ntotal} vectors, but {GRAPH_FILE} names row {int(rows.max())}")
+        live = np.zeros(index.ntotal, dtype=bool)
+        live[rows] = True
+        self._index_value, self._live_value, self._unread_index = index, live, None
 
     def _load_graph(self, graph: Path) -> None:
         """Copy `graph` into the in-memory database; a damaged file is an error that names it.
@@ -660,7 +691,7 @@ class LocalVectorStore(VectorStore):
 
     # --- graph queries ------------------------------------------------------------------
 
-    def get(self, doc_id: str) -> DocumentRecord | None:
+    def get(self, doc_id: str, *, with_vector: bool = True) -> DocumentRecord | None:
         with self._lock:
             self._check_open()
             found = self._db.execute(f"SELECT row, {_DOC_COLUMNS}, duplicate_of FROM documents WHERE doc_id = ?", (doc_id,)).fetchone()
@@ -668,7 +699,7 @@ class LocalVectorStore(VectorStore):
                 return None
             row, *values, duplicate_of = found
             props = dict(zip(DOCUMENT_PROPERTIES, values))
-            vector = None if row is None else np.array(_flat_view(self._index)[row])
+            vector = None if row is None or not with_vector else np.array(_flat_view(self._index)[row])
             clusters = [c for (c,) in self._db.execute("SELECT cluster_id FROM memberships WHERE doc_id = ? ORDER BY cluster_id", (doc_id,))]
             return DocumentRecord(vector=vector, clusters=clusters, duplicate_of=duplicate_of, **props)
 

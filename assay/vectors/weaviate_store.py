@@ -499,11 +499,11 @@ class WeaviateVectorStore(VectorStore):
 
     # --- graph queries -------------------------------------------------------------------
 
-    def get(self, doc_id: str) -> DocumentRecord | None:
+    def get(self, doc_id: str, *, with_vector: bool = True) -> DocumentRecord | None:
         from weaviate.classes.query import QueryReference
 
         obj = self.documents.query.fetch_object_by_id(
-            object_uuid("Document", doc_id), include_vector=True, return_properties=list(DOCUMENT_PROPERTIES),
+            object_uuid("Document", doc_id), include_vector=with_vector, return_properties=list(DOCUMENT_PROPERTIES),
             return_references=[
                 QueryReference(link_on="inCluster", return_properties=["cluster_id"]),
                 QueryReference(link_on="duplicateOf", return_properties=["doc_id"]),

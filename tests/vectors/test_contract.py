@@ -64,6 +64,12 @@ def test_upsert_then_get_round_trips(graph, corpus):
     assert graph.get("no-such-doc") is None
     nulls = graph.get(doc_id(0))  # i % 7 == 0 and i % 5 == 0: lang and quality are null
     assert nulls.lang is None and nulls.quality is None
+    # Without its vector (what the graph commands ask): the same record, vector None.
+    for i in (1, 123):
+        bare = graph.get(corpus.records[i].doc_id, with_vector=False)
+        assert bare.vector is None
+        assert dataclasses.replace(graph.get(corpus.records[i].doc_id), vector=None) == bare
+    assert graph.get("no-such-doc", with_vector=False) is None
 
 
 def test_upsert_twice_updates_in_place(graph, corpus):
