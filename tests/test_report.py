@@ -510,6 +510,13 @@ def test_a_damaged_stage_output_is_named_and_the_rest_of_the_page_is_drawn(tmp_p
     # An example from the whole stage (dedup's `a`) is still there, its `why` story told from dedup alone.
     assert (tmp_path / "reports/why/a.txt").is_file() and "--data " + str(curated) not in page
 
+    # A section that reads its input whole (dedup's clusters) says so in its place, and the page is drawn.
+    dedup_shard = tmp_path / "data/dedup/decisions/part-00000.parquet"
+    dedup_shard.write_bytes(dedup_shard.read_bytes()[:100])
+    summary = build_report(inputs, tmp_path / "reports")
+    assert summary["sections"]["clusters"]["damaged"] == 1 and "score-loss" in summary["charts"]
+    assert str(dedup_shard) in (tmp_path / "reports/index.html").read_text()
+
 
 def test_the_why_story_prints_what_a_tier2_reason_rests_on_first():
     """`assay why` printed a tier-2 drop's scores by name, the value behind its reason lost among a dozen."""
