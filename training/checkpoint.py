@@ -195,8 +195,8 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*")
-                  if not p.name.endswith(".tmp-save") and (p / TRAINER_FILE).is_file())
+    whole = [p for p in root.glob("step-*") if _STEP_FOLDER.fullmatch(p.name) and (p / TRAINER_FILE).is_file()]
+    return sorted(whole, key=lambda p: int(p.name.removeprefix("step-")))  # by number: step 10**8 has 9 digits
 
 
 def broken_latest(run_dir: str | Path) -> str | None:

@@ -44,7 +44,8 @@ from assay.output_lock import exclusive_output
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.versions import DatasetVersion
-from training.checkpoint import CHECKPOINTS, LATEST, broken_latest, discard_partial_saves, latest_checkpoint, read_trainer_state
+from training.checkpoint import (CHECKPOINTS, LATEST, broken_latest, discard_partial_saves, latest_checkpoint,
+                                 read_trainer_state)
 from training.data import ROWS_FORMAT, TokenRows, batch_rows, cached_rows, is_holdout, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import ModelArgs, Transformer
