@@ -661,7 +661,7 @@ def test_scores_of_other_texts_under_the_same_ids_are_refused(two_scored_runs, t
                               pa.array([f"{t} (edited)" for t in table.column("text").to_pylist()], pa.large_string()))
     with ShardWriter(tmp_path / "edited", DOCUMENT_SCHEMA) as writer:
         writer.write(edited.cast(DOCUMENT_SCHEMA))
-    with pytest.raises(AssayError, match=r"would be judged by the signals of other texts; score it again") as caught:
+    with pytest.raises(AssayError, match=r"would be judged by the signals of another text; score it again") as caught:
         dynamic_flow(str(tmp_path / "edited"), str(run0 / "scores"), str(run0), str(tmp_path / "cur"),
                      params_file=str(two_scored_runs["params"]))
     assert "\n" not in str(caught.value) and not (tmp_path / "cur").exists()

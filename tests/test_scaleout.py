@@ -239,6 +239,30 @@ def test_band_task_reads_only_its_bands_columns(tmp_path):
         staged_band_pairs(files, alive_file, band - 1, params)
 
 
+def test_the_alive_bits_round_trip_without_the_ast_module(tmp_path, monkeypatch):
+    """Band tasks read the alive file at once on the thread runner. It was `np.save`d, and `np.load` parses
+    its header with `ast.literal_eval`, which CPython 3.11 cannot run in two threads at once: a clean-clone
+    `make test` failed with "AST constructor recursion depth mismatch". Now no AST is built to read it."""
+    import ast
+
+    from assay.errors import AssayError
+    from assay.stages.dedup import read_alive, write_alive
+
+    def no_ast(*args, **kwargs):
+        raise AssertionError("the alive file was read through the ast module")
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 1001):
+        alive = rng.random(n) < 0.5
+        path = write_alive(alive, str(tmp_path / f"n{n}"))
+        with monkeypatch.context() as patched:
+            patched.setattr(ast, "literal_eval", no_ast)
+            assert np.array_equal(read_alive(path), alive), n
+    Path(path).write_bytes(Path(path).read_bytes()[:-1])  # cut short
+    with pytest.raises(AssayError, match=r"damaged \(133 bytes, not the 134 its count says\)"):
+        read_alive(path)
+
+
 def test_band_task_arguments_do_not_grow_with_the_corpus(tmp_path):
     """What a band task is sent (paths, the band, the params) pickles to the same size for 10 and 1000 shards'
     worth of documents: the signatures never travel through the scheduler."""
@@ -247,13 +271,13 @@ def test_band_task_arguments_do_not_grow_with_the_corpus(tmp_path):
     import cloudpickle
 
     from assay.config import DedupParams
-    from assay.stages.dedup import signatures_file, staged_band_pairs
+    from assay.stages.dedup import ALIVE, signatures_file, staged_band_pairs
 
     assert list(inspect.signature(staged_band_pairs).parameters) == ["files", "alive_file", "band", "params"]
     params = DedupParams()
     folder = str(tmp_path / "staged")
     files = [signatures_file(folder, i) for i in range(4)]
-    size = len(cloudpickle.dumps((files, f"{folder}/alive.npy", 3, params)))
+    size = len(cloudpickle.dumps((files, f"{folder}/{ALIVE}", 3, params)))
     assert size < 4096, size
 
 

@@ -50,7 +50,7 @@ CLUSTER = "cluster"
 EMBEDDINGS = "embeddings"
 #: The scans' signatures, in the output's staging area (removed with it at commit).
 SIGNATURES = "dedup-signatures"
-ALIVE = "alive.npy"
+ALIVE = "alive.bits"
 SHINGLED = "shingled"
 
 
@@ -162,13 +162,19 @@ def write_signatures(sigs: np.ndarray, path: str, params: MinHashParams) -> None
 
 
 def write_alive(alive: np.ndarray, folder: str) -> str:
-    """The rows still in the running after exact dedup, one bit a document, beside the signatures."""
+    """The rows still in the running after exact dedup, one bit a document, beside the signatures: the
+    count as 8 bytes little-endian, then the bits packed.
+
+    Not `np.save`: `np.load` parses its header with `ast.literal_eval`, and CPython 3.11's AST constructor
+    is not thread-safe; band tasks reading this file at once on the thread runner failed now and then with
+    "SystemError: AST constructor recursion depth mismatch" (a clean-clone `make test`, 2026-12-07).
+    """
     path = f"{folder}/{ALIVE}"
 
     def write(fs, tmp):
         with fs.open(tmp, "wb") as handle:
-            np.save(handle, np.array([len(alive)], dtype=np.int64))
-            np.save(handle, np.packbits(alive.astype(bool)))
+            handle.write(len(alive).to_bytes(8, "little"))
+            handle.write(np.packbits(alive.astype(bool)).tobytes())
 
     _atomic_write(path, write)
     return path
@@ -177,8 +183,12 @@ def write_alive(alive: np.ndarray, folder: str) -> str:
 def read_alive(path: str) -> np.ndarray:
     fs, target = fsspec.core.url_to_fs(path)
     with fs.open(target, "rb") as handle:
-        n = int(np.load(handle)[0])
-        return np.unpackbits(np.load(handle), count=n).astype(bool)
+        data = handle.read()
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or len(data) - 8 != (n + 7) // 8:
+        raise AssayError(f"{path}: damaged ({len(data)} bytes, not the {8 + (n + 7) // 8} its count says); "
+                         "rerun the dedup stage")
+    return np.unpackbits(np.frombuffer(data, np.uint8, offset=8), count=n).astype(bool)
 
 
 def staged_band_pairs(files: list[str], alive_file: str, band: int, params: DedupParams) -> np.ndarray:
