@@ -200,11 +200,10 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def broken_latest(run_dir: str | Path) -> str | None:
-    """What is wrong, when ``latest`` names no complete checkpoint while the run holds some (a step
-    folder deleted or moved by hand, a pointer edited): said by every reader of ``latest``, rather
-    than "no checkpoint" (train, score and export said that, and train's advice was --overwrite)."""
-    if latest_checkpoint(run_dir) is not None:
-        return None
+    """For a run whose :func:`latest_checkpoint` is None: what is wrong, when ``latest`` names no complete
+    checkpoint while the run holds some (a step folder deleted or moved by hand, a pointer edited); said
+    by every reader of ``latest``, rather than "no checkpoint" (train, score and export said that, and
+    train's advice was --overwrite). None when the run holds no complete checkpoint."""
     complete = complete_checkpoints(run_dir)
     if not complete:
         return None
