@@ -71,7 +71,7 @@ def status(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
 samples, heap, t0 = [], [], time.perf_counter()
-# glibc's own account every 2 s: bytes in use (small chunks + mmapped) against free bytes its heaps keep, so a
+# glibc's own account every 0.5 s: bytes in use (small chunks + mmapped) against free bytes its heaps keep, so a
 # rise in RSS reads as kept objects (in use grows) or fragmentation (free grows); Arrow's pool apart.
 from assay.allocator import large_requests_mmapped, mallinfo
 def sample():
@@ -79,13 +79,13 @@ def sample():
     while True:
         t = round(time.perf_counter() - t0, 1)
         samples.append((t, status("VmRSS")))
-        m = mallinfo() if n % 4 == 0 else None
+        m = mallinfo() if n % 2 == 0 else None
         if m is not None:
             # getattr: pyarrow may be half imported (in sys.modules, not yet its functions) while the stage starts
             arrow = getattr(sys.modules.get("pyarrow"), "total_allocated_bytes", lambda: 0)
             heap.append((t, m.uordblks + m.hblkhd, m.fordblks, m.arena, arrow()))
         n += 1
-        time.sleep(0.5)
+        time.sleep(0.25)
 threading.Thread(target=sample, daemon=True).start()
 from assay.cli import main
 code = 0
@@ -253,8 +253,11 @@ def run_stage(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -
 
 
 def stage_env(api_url: str | None) -> dict[str, str]:
+    # The stages run in their own working folders, so a relative PYTHONPATH entry (bench/leak_mutation's
+    # command) is made absolute here, where it was meant.
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, **ASSAY_ENV, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *inherited])}
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env

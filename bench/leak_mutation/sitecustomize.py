@@ -2,7 +2,7 @@
 
 Put this folder first on PYTHONPATH and set ASSAY_MUTATE_KEEP=1: every process (the stages the slow
 test launches included) then keeps every batch `assay.shards.shard_batches` yields, as a stage that
-held its input would. The slow test must then fail its settled-growth check:
+held its input would. The slow test must then fail its growth check (static's live bytes):
 
     ASSAY_MUTATE_KEEP=1 PYTHONPATH=bench/leak_mutation:. .venv/bin/pytest -q -s -m slow tests/test_memory_bound.py
 """
