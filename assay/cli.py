@@ -701,11 +701,13 @@ def ui_command(
     started = time.monotonic()
     print(f"starting the Prefect server on {host}:{port} ...", file=sys.stderr, flush=True)
     server = start_server(host, port)
-    print(f"Prefect UI: {server.address}  (ready in {time.monotonic() - started:.1f} s; server log {server.log})\n"
-          f"In other terminals, to use it:\n  export PREFECT_API_URL={server.url}\n"
-          f"then `assay serve` in the repository to run stages and the pipeline from the UI. Ctrl-C stops.",
-          flush=True)
     try:
+        # Inside the try: a signal can land while the address is written (a slow reader, a loaded machine),
+        # and the server is up by then, so it is stopped as at any later moment.
+        print(f"Prefect UI: {server.address}  (ready in {time.monotonic() - started:.1f} s; server log {server.log})\n"
+              f"In other terminals, to use it:\n  export PREFECT_API_URL={server.url}\n"
+              f"then `assay serve` in the repository to run stages and the pipeline from the UI. Ctrl-C stops.",
+              flush=True)
         while server.process.poll() is None:
             time.sleep(0.5)
         raise AssayError(f"the Prefect server stopped by itself (code {server.process.returncode}); see {server.log}")

@@ -137,3 +137,58 @@ def test_assay_ui_stopped_by_sigterm_or_sighup_stops_its_server_and_exits_0(tmp_
     assert proc.returncode == 0, stderr
     assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
     assert not _gone(children), "the server outlived `assay ui`"
+
+
+def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits_0(tmp_path):
+    """The signal lands inside the print of the UI's address: the server is up, so the command is running and
+    must stop it and exit 0. CI met this window by chance under load (exit 143: the print sat outside the
+    block that handles the signal); here it is made wide on purpose, with the command's stdout a full pipe,
+    so its write blocks until the signal interrupts it."""
+    import threading
+
+    from ports import free_port
+
+    from assay.prefect_server import api_url, is_healthy
+
+    port = free_port()
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    for chunk in (b"x" * 4096, b"x"):  # whole pipe-buffer pages, then byte by byte: no room left at all
+        try:
+            while True:
+                os.write(write_end, chunk)
+        except BlockingIOError:
+            pass
+    os.set_blocking(write_end, True)
+    proc = subprocess.Popen([ASSAY, "ui", "--port", str(port)], cwd=tmp_path,
+                            env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=write_end,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    os.close(write_end)
+    drained = []
+    try:
+        deadline = time.monotonic() + 180
+        while not is_healthy(api_url("127.0.0.1", port)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.25)
+        time.sleep(1.0)  # the command is past start_server and blocked writing its address
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no server process"
+        proc.send_signal(signal.SIGTERM)
+        drain = threading.Thread(target=lambda: drained.append(_read_all(read_end)), daemon=True)
+        drain.start()  # the rest of the address is written at exit, into the pipe as it empties
+        _, stderr = proc.communicate(timeout=60)
+        drain.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os.close(read_end)
+    assert proc.returncode == 0, stderr
+    assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
+    assert not _gone(children), "the server outlived `assay ui`"
+
+
+def _read_all(fd: int) -> bytes:
+    parts = []
+    while chunk := os.read(fd, 65536):
+        parts.append(chunk)
+    return b"".join(parts)
