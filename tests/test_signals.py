@@ -148,8 +148,6 @@ def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits
 
     from ports import free_port
 
-    from assay.prefect_server import api_url, is_healthy
-
     port = free_port()
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
@@ -164,31 +162,40 @@ def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits
                             env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=write_end,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     os.close(write_end)
-    drained = []
+    drained = False
     try:
         deadline = time.monotonic() + 180
-        while not is_healthy(api_url("127.0.0.1", port)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+        # The address is the command's first write to stdout, made once the server answers.
+        while not _blocked_in_a_pipe_write(proc.pid):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the command never wrote its address"
             time.sleep(0.25)
-        time.sleep(1.0)  # the command is past start_server and blocked writing its address
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "no server process"
         proc.send_signal(signal.SIGTERM)
-        drain = threading.Thread(target=lambda: drained.append(_read_all(read_end)), daemon=True)
-        drain.start()  # the rest of the address is written at exit, into the pipe as it empties
+        # The rest of the address is written at exit, once the pipe has room.
+        threading.Thread(target=_read_all, args=(read_end,), daemon=True).start()
+        drained = True
         _, stderr = proc.communicate(timeout=60)
-        drain.join(timeout=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        os.close(read_end)
+        if not drained:
+            os.close(read_end)
     assert proc.returncode == 0, stderr
     assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
     assert not _gone(children), "the server outlived `assay ui`"
 
 
-def _read_all(fd: int) -> bytes:
-    parts = []
-    while chunk := os.read(fd, 65536):
-        parts.append(chunk)
-    return b"".join(parts)
+def _blocked_in_a_pipe_write(pid: int) -> bool:
+    """Whether PID's main thread sleeps in the kernel's pipe write (`pipe_write`, `anon_pipe_write`)."""
+    with open(f"/proc/{pid}/wchan") as f:
+        return "pipe_write" in f.read()
+
+
+def _read_all(fd: int) -> None:
+    try:
+        while os.read(fd, 65536):
+            pass
+    finally:
+        os.close(fd)
