@@ -149,20 +149,19 @@ def _by_stage(runs: list[dict], measure) -> dict:
 
 def _settled(result: dict) -> int:
     """The median resident size over the last fifth of a stage's run (sampled every 0.25 s)."""
-    import statistics
-
-    samples = result["samples"]
-    end = samples[-1][0]
-    return int(statistics.median(rss for t, rss in samples if t >= 0.8 * end))
+    return _last_fifth_median([(t, rss) for t, rss in result["samples"]])
 
 
 def _live(result: dict) -> int:
     """The median of the bytes malloc holds in use plus Arrow's pool, over the last fifth of the run (every 0.5 s);
     the resident size where the C library has no mallinfo2 (not glibc)."""
+    if not result["heap"]:
+        return _settled(result)
+    return _last_fifth_median([(t, used + arrow) for t, used, free, arena, arrow in result["heap"]])
+
+
+def _last_fifth_median(series: list[tuple[float, int]]) -> int:
     import statistics
 
-    heap = result["heap"]
-    if not heap:
-        return _settled(result)
-    end = heap[-1][0]
-    return int(statistics.median(used + arrow for t, used, free, arena, arrow in heap if t >= 0.8 * end))
+    end = series[-1][0]
+    return int(statistics.median(value for t, value in series if t >= 0.8 * end))

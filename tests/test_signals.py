@@ -118,12 +118,7 @@ def test_a_killed_command_takes_its_temporary_server_with_it(tmp_path):
 def test_assay_ui_stopped_by_sigterm_or_sighup_stops_its_server_and_exits_0(tmp_path, signum):
     """`assay ui` is meant to end by a signal: it stops its server (in a session of its own, which
     the signal does not reach) and exits 0, as Ctrl-C does in tests/test_ui.py."""
-    from ports import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([ASSAY, "ui", "--port", str(port)], cwd=tmp_path,
-                            env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _start_ui(tmp_path, stdout=subprocess.PIPE)
     try:
         line = proc.stdout.readline()  # printed once the server answers ("" if the command ended)
         assert line.startswith("Prefect UI: "), (line, proc.poll())
@@ -134,9 +129,7 @@ def test_assay_ui_stopped_by_sigterm_or_sighup_stops_its_server_and_exits_0(tmp_
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr
-    assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
-    assert not _gone(children), "the server outlived `assay ui`"
+    _assert_ui_stopped_its_server(proc, stderr, children)
 
 
 def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits_0(tmp_path):
@@ -146,9 +139,6 @@ def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits
     so its write blocks until the signal interrupts it."""
     import threading
 
-    from ports import free_port
-
-    port = free_port()
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     for chunk in (b"x" * 4096, b"x"):  # whole pipe-buffer pages, then byte by byte: no room left at all
@@ -158,9 +148,7 @@ def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits
         except BlockingIOError:
             pass
     os.set_blocking(write_end, True)
-    proc = subprocess.Popen([ASSAY, "ui", "--port", str(port)], cwd=tmp_path,
-                            env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=write_end,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _start_ui(tmp_path, stdout=write_end)
     os.close(write_end)
     drained = False
     try:
@@ -182,6 +170,18 @@ def test_assay_ui_stopped_while_it_prints_its_address_stops_its_server_and_exits
             os.killpg(proc.pid, signal.SIGKILL)
         if not drained:
             os.close(read_end)
+    _assert_ui_stopped_its_server(proc, stderr, children)
+
+
+def _start_ui(tmp_path: Path, stdout) -> subprocess.Popen:
+    from ports import free_port
+
+    return subprocess.Popen([ASSAY, "ui", "--port", str(free_port())], cwd=tmp_path,
+                            env=git_env(PREFECT_HOME=str(tmp_path / "prefect")), stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _assert_ui_stopped_its_server(proc: subprocess.Popen, stderr: str, children: list[psutil.Process]) -> None:
     assert proc.returncode == 0, stderr
     assert stderr.strip().splitlines()[-2:] == ["stopping the Prefect server ...", "stopped"]
     assert not _gone(children), "the server outlived `assay ui`"
