@@ -72,11 +72,22 @@ def ingest_summary(manifest: dict[str, Any]) -> None:
     console.print(table)
 
 
+#: The packages whose versions move verdicts the most, named on `assay stats`'s made-by line.
+MADE_BY_PACKAGES = ("torch", "transformers", "tokenizers", "pyarrow", "tree-sitter-language-pack")
+
+
 def stats_table(stats: dict[str, Any]) -> None:
-    console.print(_line(
+    _say(_line(
         (str(stats["dataset"]), "bold"), f": {stats['documents']:,} documents, {_size(stats['bytes'])}, "
         f"~{stats['tokens']:,} tokens" + (f", {stats['quarantined']:,} quarantined" if stats.get("quarantined") else "")
     ))
+    made_by = stats.get("made_by")
+    if isinstance(made_by, dict):  # a dataset written before installations were recorded has none
+        packages = made_by.get("packages") or {}
+        shown = ", ".join(f"{name} {packages[name]}" for name in MADE_BY_PACKAGES if name in packages)
+        _say(_line(f"made by Assay {made_by.get('assay')} (code {made_by.get('code')}), "
+                   f"Python {made_by.get('python')}" + (f", {shown}" if shown else "")
+                   + " (--json lists every package)", highlight=False))
     for key in ("kind", "lang", "source"):
         rows = stats[f"by_{key}"]
         table = Table(title=f"by {key}" + (f" (top 30 of {len(rows)})" if len(rows) > 30 else ""))

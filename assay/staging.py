@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from assay.errors import AssayError
+from assay.installation import differences, installation
 
 from assay.schema import DECISION_SCHEMA, QUARANTINE_SCHEMA
 from assay.shards import (
@@ -50,7 +51,8 @@ from assay.shards import (
 DONE = "done.json"
 #: The staging folder's entries besides the units: the dataset as the commit builds it (stages
 #: may write into it first, e.g. dedup's local vector index), a previous dataset set aside while
-#: publishing, and the fingerprint of the inputs the staged units belong to.
+#: publishing, and the fingerprint of the inputs the staged units belong to with the installation
+#: that made them (a JSON object; :func:`prepare`).
 BUILT, SET_ASIDE, FINGERPRINT = "dataset", "previous", "fingerprint"
 
 
@@ -216,29 +218,67 @@ def prepare(out_dir: str | os.PathLike, fingerprint: str, *, overwrite: bool = F
       is not one) is never replaced, nor is a file;
     - an `out_dir` that is one of the run's `inputs`, holds one or lies inside one is refused:
       publishing would replace the input, or a rerun would read its own output;
-    - a staging folder left by a killed run of the same inputs is resumed.
+    - a staging folder left by a killed run of the same inputs is resumed, when the same code
+      and packages made it (:mod:`assay.installation`); else the run starts over and says why;
+    - a finished dataset of the same inputs made by another installation is kept with a note,
+      and rebuilt with `overwrite` (``dvc repro -f`` passes it).
     """
     out = Path(out_dir)
     require_outside(out, inputs)  # first: "is the input" says more than "is not a dataset"
     found = own_output(out, DATASET_FORMAT, "an Assay dataset")
     staging = staging_dir(out)
     if found is not None:
-        previous = found.get("fingerprint")
-        if previous == fingerprint:
-            shutil.rmtree(staging, ignore_errors=True)  # a commit killed after publishing leaves it
-            return True
-        if not overwrite:
+        if found.get("fingerprint") == fingerprint:
+            if keep_finished(out, found, overwrite):
+                shutil.rmtree(staging, ignore_errors=True)  # a commit killed after publishing leaves it
+                return True
+        elif not overwrite:
             raise AssayError(
                 f"{out}: holds a finished dataset made from other inputs or params; "
                 "pass --overwrite to replace it"
             )
-    marker = staging / FINGERPRINT
-    if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
-        shutil.rmtree(staging)  # staged units of other inputs cannot be resumed
-    staging.mkdir(parents=True, exist_ok=True)
-    marker.write_text(fingerprint)
-    remove_temporaries(staging)
+    start_staging(out, staging / FINGERPRINT, fingerprint)
     return False
+
+
+def keep_finished(out: Path, manifest: dict[str, Any], overwrite: bool) -> bool:
+    """Whether to keep `out`, finished from this run's very inputs and params (its `manifest`):
+    yes, unless another installation made it and the run asks for `overwrite`; a kept dataset of
+    another installation gets a note that names what differs."""
+    changed = differences(manifest.get("installation"), installation())
+    if changed and overwrite:
+        print(f"{out}: rebuilding it (--overwrite): another installation made it ({'; '.join(changed)})")
+        return False
+    if changed:
+        print(f"note: {out} is up to date with its inputs and params, but another installation "
+              f"made it ({'; '.join(changed)}); pass --overwrite to rebuild it")
+    return True
+
+
+def start_staging(out: Path, marker: Path, fingerprint: str) -> None:
+    """Ready `out`'s staging folder, the parent of `marker`, for a run of `fingerprint`: what a
+    stopped run staged there is kept for resuming when its marker names the same fingerprint and
+    installation, and removed otherwise. Then `marker` names this run's."""
+    staging = marker.parent
+    if staging.exists():
+        earlier = json_object(marker)  # None for a marker of Assay before installations were recorded
+        if earlier is None or earlier.get("fingerprint") != fingerprint:
+            shutil.rmtree(staging)  # staged units of other inputs cannot be resumed
+        elif changed := differences(earlier.get("installation"), installation()):
+            # One dataset of two programs' verdicts would pass for one program's.
+            print(f"{out}: not resuming the stopped run's staged work, which another installation made "
+                  f"({'; '.join(changed)}); starting over")
+            shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, {"fingerprint": fingerprint, "installation": installation()})
+    remove_temporaries(staging)
+
+
+def staged_installation(marker: Path) -> dict[str, Any]:
+    """The installation that made the staged work `marker` describes (all of it: :func:`start_staging`
+    starts over on any other), as the marker recorded it."""
+    earlier = json_object(marker) or {}
+    return earlier.get("installation") or installation()
 
 
 def overlaps(out: Path, source: Path) -> str | None:
@@ -290,7 +330,8 @@ def commit(out_dir: str | os.PathLike, units: Sequence[str], manifest: dict[str,
                     streams.setdefault(stream, []).append(dest.name)
     built.mkdir(parents=True, exist_ok=True)  # a stage whose units all came out empty
     # The format is what prepare trusts.
-    manifest = {"format": DATASET_FORMAT, **manifest, "shards": shards, "streams": streams}
+    manifest = {"format": DATASET_FORMAT, **manifest, "installation": staged_installation(staging / FINGERPRINT),
+                "shards": shards, "streams": streams}
     write_manifest(built, manifest)
     publish_directory(built, out, staging / SET_ASIDE)
     shutil.rmtree(staging, ignore_errors=True)

@@ -39,14 +39,16 @@ def dataset_stats(directory: str | Path, batch_rows: int = 4096) -> dict[str, An
     try:
         manifest = read_manifest(directory)
         quarantined = manifest.get("counts", {}).get("quarantined")
+        made_by = manifest.get("installation")
     except Exception:
-        quarantined = None
+        quarantined = made_by = None
     return {
         "dataset": str(directory),
         "documents": totals["documents"],
         "bytes": totals["bytes"],
         "tokens": round(totals["bytes"] / BYTES_PER_TOKEN),
         "quarantined": quarantined,
+        "made_by": made_by,  # assay.installation: the code and packages that wrote it
         "by_kind": rows("kind"),
         "by_lang": rows("lang"),
         "by_source": rows("source"),

@@ -51,7 +51,12 @@ def test_stats_json(ingested):
     by_kind = {row["kind"]: row["documents"] for row in stats["by_kind"]}
     assert by_kind == {"code": 3, "text": 4}
     assert stats["tokens"] == round(stats["bytes"] / 4)
-    assert "by source" in run("stats", ingested["out"]).stdout
+    made_by = json.loads((Path(ingested["out"]) / "manifest.json").read_text())["installation"]
+    assert stats["made_by"] == made_by and made_by["packages"]["torch"]
+    shown = run("stats", ingested["out"]).stdout
+    assert "by source" in shown
+    assert f"made by Assay {made_by['assay']} (code {made_by['code']}), Python {made_by['python']}, " \
+           f"torch {made_by['packages']['torch']}, transformers {made_by['packages']['transformers']}" in shown
 
 
 def test_show_and_why_answer(ingested):

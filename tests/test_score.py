@@ -540,6 +540,43 @@ def test_a_deleted_part_alone_is_redone(tiny, scored, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in parts} == stamps
 
 
+def test_scores_of_another_installation_are_kept_with_a_note_and_never_reused_in_part(tiny, scored, tmp_path, capsys):
+    """assay.installation: a scored part is a verdict of the code and packages that wrote it."""
+    from assay.installation import installation
+    from training.score import score_dataset
+
+    assert scored["manifest"]["installation"] == installation()
+    out = tmp_path / "scores"
+    shutil.copytree(scored["out"], out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["installation"]["code"] = "0" * 16  # as an earlier Assay's code would have recorded it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    parts = sorted(out.glob("part-*.parquet"))
+    stamps = {p: p.stat().st_mtime_ns for p in parts}
+
+    kept = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    assert kept["installation"]["code"] == "0" * 16 and {p: p.stat().st_mtime_ns for p in parts} == stamps
+    assert "is up to date with its inputs and params, but another installation made it" in capsys.readouterr().out
+
+    parts[1].unlink()  # one part missing: the others, another installation's, are not linked in
+    redone = score_dataset(tiny["run"], tiny["data"], out, score_params(), progress=False)
+    assert redone["counts"]["parts_resumed"] == 0 and redone["installation"] == installation()
+    assert _same_scores(out, scored["out"])
+
+    (out / "manifest.json").write_text(json.dumps(manifest | {"shards": redone["shards"]}))
+    rebuilt = score_dataset(tiny["run"], tiny["data"], out, score_params(), overwrite=True, progress=False)
+    assert rebuilt["counts"]["parts_resumed"] == 0 and rebuilt["installation"] == installation()
+    assert "rebuilding it (--overwrite): another installation made it" in capsys.readouterr().out
+
+
+def _same_scores(a: Path, b: Path) -> bool:
+    from training.score import read_scores
+
+    left, right = read_scores(a).to_pylist(), read_scores(b).to_pylist()
+    return [r["sample_id"] for r in left] == [r["sample_id"] for r in right] and all(
+        x["alignment"] == pytest.approx(y["alignment"], abs=1e-6) for x, y in zip(left, right))
+
+
 class _Planted:
     """Unpickling this would run ``touch``: a reference cache must never be unpickled as objects."""
 
@@ -556,6 +593,7 @@ def test_a_reference_cache_that_does_not_load_is_recomputed(tiny, scored, tmp_pa
     One that does not load, a cut file or one holding a pickled object (which weights_only
     refuses), is recomputed with a warning: never trusted, never executed, and the redone part
     equals the original."""
+    from assay.installation import installation
     from assay.shards import staging_dir
     from assay.staging import building
     from training.score import _MARKER, score_dataset
@@ -564,7 +602,8 @@ def test_a_reference_cache_that_does_not_load_is_recomputed(tiny, scored, tmp_pa
     # What a run killed before its last part leaves: its parts and its marker, no manifest, nothing at OUT.
     work = building(out)
     shutil.copytree(scored["out"], work)
-    (staging_dir(out) / _MARKER).write_text(json.loads((work / "manifest.json").read_text())["fingerprint"])
+    fingerprint = json.loads((work / "manifest.json").read_text())["fingerprint"]
+    (staging_dir(out) / _MARKER).write_text(json.dumps({"fingerprint": fingerprint, "installation": installation()}))
     (work / "manifest.json").unlink()
     parts = sorted(work.glob("part-*.parquet"))
     victim = parts[0]

@@ -179,10 +179,11 @@ def test_a_commit_killed_anywhere_is_finished_by_the_rerun_and_never_half_publis
             assert _contents(out) == want, (kind, n)
             assert not staging_dir(out).exists(), (kind, n)
             _readers_read_every_part(out, FINGERPRINT)
-    # 18 part renames and the manifest's; the publishing rename (over a previous dataset it fails,
+    # prepare's marker (written atomically: assay.installation's record), 18 part renames and the
+    # manifest's; the publishing rename (over a previous dataset it fails,
     # and without the exchange two renames follow); the exchange, only over a previous dataset;
     # the removals (the staging folder's, and the previous dataset's).
-    assert kills == {"replace": 19, "rename": 0 if overwrite else 1, "exchange": 1 if overwrite else 0,
+    assert kills == {"replace": 20, "rename": 0 if overwrite else 1, "exchange": 1 if overwrite else 0,
                      "rmtree": 2 if overwrite else 1, "no-exchange:rename": 2 if overwrite else 1}, kills
 
 

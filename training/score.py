@@ -70,10 +70,11 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from assay.config import ScoringParams, TrainModelParams, TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
+from assay.installation import differences, installation
 from assay.schema import SCORE_SCHEMA
-from assay.shards import (MANIFEST, atomic_write_bytes, atomic_write_json, publish_directory, remove_temporaries,
+from assay.shards import (MANIFEST, atomic_write_bytes, atomic_write_json, publish_directory,
                           shard_name, staging_dir)
-from assay.staging import SET_ASIDE, building, own_output
+from assay.staging import SET_ASIDE, building, keep_finished, own_output, staged_installation, start_staging
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
@@ -558,23 +559,23 @@ def _prepare_out(out: Path, fingerprint: str, overwrite: bool) -> tuple[dict | N
 
     The parts are written in OUT's staging folder and published whole at the end
     (assay.shards.publish_directory), so OUT holds the previous scores, or none, until then; a
-    killed run's parts are resumed when the fingerprint matches, dropped when it does not.
+    killed run's parts are resumed when the fingerprint and the installation match (assay.installation),
+    dropped when either does not.
     """
     previous = own_output(out, FORMAT, "a scores directory")
     staging, work = staging_dir(out), building(out)
     if previous is not None:
         if previous.get("fingerprint") == fingerprint and all((out / s).is_file() for s in previous.get("shards", [])):
-            shutil.rmtree(staging, ignore_errors=True)  # a run killed after publishing leaves it
-            return previous, work
-        if previous.get("fingerprint") != fingerprint and not overwrite:
+            if keep_finished(out, previous, overwrite):
+                shutil.rmtree(staging, ignore_errors=True)  # a run killed after publishing leaves it
+                return previous, work
+        elif previous.get("fingerprint") != fingerprint and not overwrite:
             raise AssayError(f"{out}: holds scores of other inputs or params; pass --overwrite to replace them")
-    marker = staging / _MARKER  # beside the parts, so it is never published with them
-    if staging.exists() and (not marker.is_file() or marker.read_text() != fingerprint):
-        shutil.rmtree(staging)  # a killed run of other inputs
+    # The marker lies beside the parts, so it is never published with them.
+    start_staging(out, staging / _MARKER, fingerprint)
     work.mkdir(parents=True, exist_ok=True)
-    remove_temporaries(staging)
-    atomic_write_bytes(marker, fingerprint.encode())
-    if previous is not None and previous.get("fingerprint") == fingerprint:
+    if previous is not None and previous.get("fingerprint") == fingerprint and \
+            not differences(previous.get("installation"), installation()):  # another's parts: all redone
         # Parts of these very inputs are missing from OUT: the run redoes those alone. What is
         # there goes into the new folder unchanged, linked (the same filesystem) or else copied.
         for name in [*previous.get("shards", []), *(f".reference/{p.name}" for p in (out / ".reference").glob("*"))]:
@@ -717,6 +718,7 @@ def score_dataset(run_dir: str | Path, data_dir: str | Path, out_dir: str | Path
                          (time.perf_counter() - t0, time.process_time() - cpu0), scored_docs, scored_tokens, n_blocks)
     for cache in (work / ".reference").glob("*.pt"):  # a resume cache, a model's size: not part of the output
         cache.unlink()
+    manifest["installation"] = staged_installation(staging_dir(out) / _MARKER)
     atomic_write_json(work / MANIFEST, manifest)
     publish_directory(work, out, staging_dir(out) / SET_ASIDE)
     shutil.rmtree(staging_dir(out), ignore_errors=True)
