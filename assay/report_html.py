@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
+from assay.installation import installation
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.lineage import scores_behind
 from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, json_object,
@@ -1134,17 +1135,43 @@ pre { white-space: pre-wrap; font-size: 12px; background: #fafafa; padding: 8px;
 
 def _head_section(inputs: ReportInputs) -> Section:
     section = Section("inputs")
-    rows = []
+    rows, installations = [], {}
     for label, path in [("raw", inputs.raw), ("static", inputs.static), ("domain", inputs.domain), ("dedup", inputs.dedup),
                         ("curated", inputs.curated), ("round 0", inputs.round0), ("round 0 scores", inputs.scores),
                         ("round 1", inputs.round1), ("models", inputs.models), ("labelled measurement", inputs.labelled)]:
         manifest = _manifest(path) if path.is_dir() else None
         state = "present" if path.exists() else "missing"
-        if manifest and manifest.get("created_at"):
+        if isinstance(manifest, dict) and manifest.get("created_at"):
             state += f" (written {manifest['created_at'][:19].replace('T', ' ')})"
-        rows.append([label, str(path), state])
-    section.table(["input", "path", "state"], rows)
+        record = _installation_of(path, manifest)
+        made = _installation_text(record) if record else "-"
+        if made != "-":
+            installations.setdefault(made, []).append(label)
+        rows.append([label, str(path), state, made])
+    section.table(["input", "path", "state", "made by"], rows)
+    if len(installations) > 1:  # a pipeline rerun in part after an upgrade or a code change
+        section.parts.append('<div class="missing"><b>Made by ' + str(len(installations)) + " installations:</b> "
+                             + "; ".join(f"{html.escape(', '.join(labels))}: {html.escape(made)}"
+                                         for made, labels in installations.items())
+                             + ". To judge every stage with one, rerun those this installation ("
+                             + html.escape(_installation_text(installation())) + ") did not make with "
+                               "<code>--overwrite</code> (<code>dvc repro -f STAGE</code>).</div>")
     return section
+
+
+def _installation_of(path: Path, manifest: Any) -> dict[str, Any] | None:
+    """What made `path` (assay.installation), as a dataset's or scores' manifest, or a run's metrics.json,
+    records it; None for inputs that record none (models, a measurement, outputs of an earlier Assay)."""
+    for found in (manifest, _json(path / "metrics.json") if path.is_dir() and manifest is None else None):
+        if isinstance(found, dict) and isinstance(found.get("installation"), dict):
+            return found["installation"]
+    return None
+
+
+def _installation_text(record: dict[str, Any]) -> str:
+    packages = record.get("packages") or {}
+    return (f"Assay {record.get('assay')} (code {record.get('code')}), Python {record.get('python')}"
+            + "".join(f", {name} {packages[name]}" for name in ("torch", "transformers") if name in packages))
 
 
 def _drawn(key: str, build: Callable[[], Section]) -> Section:

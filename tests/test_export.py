@@ -84,6 +84,10 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(run_dir, t
     metrics = json.loads((run_dir / "metrics.json").read_text())
     card = (out / "README.md").read_text()
     assert metrics["data"]["data_hash"] in card and f"step {metrics['steps']}" in card
+    made_by = metrics["installation"]  # assay.installation, recorded by the trainer
+    assert made_by["packages"]["torch"] == torch.__version__
+    assert f"Trained with Assay {made_by['assay']} (source digest `{made_by['code']}`) on Python " \
+           f"{made_by['python']}, torch {torch.__version__}, tokenizers " in card
     config = json.loads((out / "config.json").read_text())
     assert config["assay"]["data"]["data_hash"] == metrics["data"]["data_hash"]
     # The class name transformers 4.x resolves too (5.x calls it TokenizersBackend).

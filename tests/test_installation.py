@@ -141,6 +141,7 @@ def _texts(out: Path) -> list[str]:
     return sorted(t for p in sorted(out.glob("part-*.parquet")) for t in pq.read_table(p).column("text").to_pylist())
 
 
+@pytest.mark.slow  # four CLI runs, 30 s: make test-slow
 def test_a_run_killed_under_other_code_is_started_over_by_the_installed_code(tmp_path, prefect_harness):
     source = tmp_path / "src"
     source.mkdir()

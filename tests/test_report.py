@@ -597,3 +597,38 @@ def test_the_graph_sentence_names_its_cluster_kinds():
 
     assert _cluster_kinds({"exact": 29, "near": 20, "semantic": 1}) == " (29 exact, 20 near-duplicate, 1 semantic)"
     assert _cluster_kinds(None) == ""  # a dedup output from before the counts were kept
+
+
+def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installations(tmp_path):
+    """assay.installation: a pipeline rerun in part after an upgrade has stages judged by two programs."""
+    from assay.installation import installation
+    from assay.report_html import _installation_text
+    from assay.schema import DOCUMENT_SCHEMA
+    from assay.staging import UnitWriter, commit, prepare
+
+    for name in ("raw", "static"):
+        out = tmp_path / "data" / name
+        prepare(out, name)
+        writer = UnitWriter(out, "u", DOCUMENT_SCHEMA, target_bytes=1 << 20)
+        writer.docs.write(pa.table({"id": ["a"], "text": ["words"], "kind": ["text"], "lang": ["en"],
+                                    "source": ["t"], "path": ["a"], "meta": ["{}"]}))
+        writer.finish(bytes_in=0, seconds=0.0)
+        commit(out, ["u"], {"fingerprint": name, "stage": "ingest" if name == "raw" else "static"})
+    older = installation()
+    older["packages"]["torch"] = "2.12.0"
+    manifest = json.loads((tmp_path / "data/static/manifest.json").read_text())
+    (tmp_path / "data/static/manifest.json").write_text(json.dumps({**manifest, "installation": older}))
+    (tmp_path / "runs/round-0").mkdir(parents=True)
+    (tmp_path / "runs/round-0/metrics.json").write_text(json.dumps({"installation": installation()}))
+    inputs = ReportInputs(*(tmp_path / p for p in ("data/raw", "data/static", "data/domain", "data/dedup", "data/curated",
+                                                   "runs/round-0", "runs/round-1", "models", "labelled.json")),
+                          repo=tmp_path)
+    build_report(inputs, tmp_path / "reports", examples_per_reason=0)
+    page = (tmp_path / "reports/index.html").read_text()
+    now, then = _installation_text(installation()), _installation_text(older)
+    assert f"<td>{now}</td>" in page and f"<td>{then}</td>" in page and "<th>made by</th>" in page
+    assert f"<b>Made by 2 installations:</b> raw, round 0: {now}; static: {then}. To judge every stage with one, " \
+           f"rerun those this installation ({now}) did not make" in page
+    (tmp_path / "data/static/manifest.json").write_text(json.dumps(manifest))  # one installation: no flag
+    build_report(inputs, tmp_path / "reports", examples_per_reason=0)
+    assert "installations:" not in (tmp_path / "reports/index.html").read_text()

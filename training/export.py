@@ -275,6 +275,15 @@ def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dic
                 value = metrics[key]
                 lines.append(f"- {key}: {value:.4f}" if isinstance(value, float) else f"- {key}: {value}")
         lines.append("")
+    made_by = metrics.get("installation") if metrics else None
+    if isinstance(made_by, dict):  # assay.installation; a run trained before it was recorded has none
+        packages = made_by.get("packages") or {}
+        lines += ["## Software", "",
+                  f"Trained with Assay {made_by.get('assay')} (source digest `{made_by.get('code')}`) on Python "
+                  f"{made_by.get('python')}" + "".join(f", {name} {packages[name]}" for name in ("torch", "tokenizers")
+                                                        if name in packages)
+                  + (f" (its last steps, from step {metrics['resumed_from']}; earlier ones may have run on another)"
+                     if metrics.get("resumed_from") else "") + ".", ""]
     lines += ["## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(PATH)", "tokenizer = AutoTokenizer.from_pretrained(PATH)",
               "```", ""]

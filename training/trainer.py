@@ -40,6 +40,7 @@ from torch import nn
 from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
+from assay.installation import installation
 from assay.output_lock import exclusive_output
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
@@ -509,6 +510,9 @@ def _train(world: Distributed, version: DatasetVersion, out: Path, params: Train
         "precision": params.precision, "attention": params.model.attention, "ffn": params.model.ffn,
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,
+        # The code and packages that ran this process's steps: a resumed run's earlier steps, before
+        # `resumed_from`, may have run on another.
+        "installation": installation(),
     }
     if model.moe_layers():  # every rank's (pruned) model holds some under pp: each stage has a layer
         metrics["moe_bias_abs_max"] = par.stage_max(max(float(m.expert_bias.abs().max()) for m in model.moe_layers()))
