@@ -770,3 +770,39 @@ def test_the_same_command_continues_its_run_and_other_settings_are_refused(stdli
     proc = _cli(["--params", _params_file(tmp_path, params), "train", "--data", stdlib_data, "--out", tmp_path / "run",
                  "--resume", "--steps", "1", "--device", "cpu"], cwd=tmp_path)
     assert "note: the run was already at step 2, past train.steps = 1; nothing was trained" in proc.stdout + proc.stderr
+
+
+def test_a_run_resumed_under_another_installation_records_both_and_its_card_names_them(stdlib_data, tmp_path, capsys):
+    """assay.installation: continuing a run after a code change or an upgrade is allowed (training is
+    not a verdict), but the run, and the model card, say which installation ran which steps."""
+    from assay.installation import installation
+    from training.checkpoint import latest_checkpoint
+    from training.export import export_run
+
+    version = open_version(stdlib_data)
+    first = train(version, tmp_path / "run", tiny_params(steps=2, checkpoint_every=2), progress=False)
+    assert first.metrics["installations"] == [{"from_step": 0, "installation": installation()}]
+    assert first.metrics["installation"] == installation()
+    older = installation()
+    older["packages"]["torch"] = "2.12.0"
+    state = latest_checkpoint(tmp_path / "run") / "trainer.json"
+    recorded = json.loads(state.read_text())
+    state.write_text(json.dumps({**recorded, "installations": [{"from_step": 0, "installation": older}]}))
+
+    resumed = train(version, tmp_path / "run", tiny_params(steps=4, checkpoint_every=2), resume=True, progress=False)
+    assert resumed.metrics["installations"] == [{"from_step": 0, "installation": older},
+                                                {"from_step": 2, "installation": installation()}]
+    assert f"from step 2, whose steps another installation ran (torch 2.12.0 -> {torch.__version__})" in \
+        capsys.readouterr().out
+    export_run(tmp_path / "run", tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "- Steps 0-2: trained with Assay" in card and ", torch 2.12.0, tokenizers " in card
+    assert "- Steps 2-4: trained with Assay" in card and f", torch {torch.__version__}, tokenizers " in card
+
+    # A checkpoint of an Assay that recorded no installation: its steps are said to be unknown.
+    state = latest_checkpoint(tmp_path / "run") / "trainer.json"
+    recorded = json.loads(state.read_text())
+    state.write_text(json.dumps({k: v for k, v in recorded.items() if k != "installations"}))
+    again = train(version, tmp_path / "run", tiny_params(steps=6, checkpoint_every=2), resume=True, progress=False)
+    assert again.metrics["installations"] == [{"from_step": 0, "installation": None},
+                                              {"from_step": 4, "installation": installation()}]

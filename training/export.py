@@ -244,6 +244,15 @@ def _reproduce(data: dict) -> str:
             f"`assay train --data {data.get('path')} --rev <commit>`.")
 
 
+def _software(made_by: dict | None) -> str:
+    if not isinstance(made_by, dict):
+        return "trained by an Assay that did not record its installation"
+    packages = made_by.get("packages") or {}
+    return (f"trained with Assay {made_by.get('assay')} (source digest `{made_by.get('code')}`) on Python "
+            f"{made_by.get('python')}" + "".join(f", {name} {packages[name]}" for name in ("torch", "tokenizers")
+                                                 if name in packages))
+
+
 def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dict) -> str:
     args, data = model.args, provenance["data"]
     version = data.get("rev") or "the workspace (no --rev)"
@@ -275,15 +284,15 @@ def model_card(model: Transformer, trainer: dict, metrics: dict, provenance: dic
                 value = metrics[key]
                 lines.append(f"- {key}: {value:.4f}" if isinstance(value, float) else f"- {key}: {value}")
         lines.append("")
-    made_by = metrics.get("installation") if metrics else None
-    if isinstance(made_by, dict):  # assay.installation; a run trained before it was recorded has none
-        packages = made_by.get("packages") or {}
-        lines += ["## Software", "",
-                  f"Trained with Assay {made_by.get('assay')} (source digest `{made_by.get('code')}`) on Python "
-                  f"{made_by.get('python')}" + "".join(f", {name} {packages[name]}" for name in ("torch", "tokenizers")
-                                                        if name in packages)
-                  + (f" (its last steps, from step {metrics['resumed_from']}; earlier ones may have run on another)"
-                     if metrics.get("resumed_from") else "") + ".", ""]
+    trained_by = metrics.get("installations") if metrics else None
+    if isinstance(trained_by, list) and trained_by:  # assay.installation; runs before it recorded none
+        lines += ["## Software", ""]
+        for i, part in enumerate(trained_by):
+            until = trained_by[i + 1]["from_step"] if i + 1 < len(trained_by) else trainer["step"]
+            steps = f"Steps {part['from_step']}-{until}: " if len(trained_by) > 1 else ""
+            text = _software(part.get("installation"))
+            lines.append(f"- {steps}{text}" if steps else f"- {text[0].upper()}{text[1:]}")
+        lines.append("")
     lines += ["## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(PATH)", "tokenizer = AutoTokenizer.from_pretrained(PATH)",
               "```", ""]

@@ -40,7 +40,7 @@ from torch import nn
 from assay.config import TrainParams
 from assay.devices import pick_device
 from assay.errors import AssayError
-from assay.installation import installation
+from assay.installation import differences, installation
 from assay.output_lock import exclusive_output
 from assay.shards import MANIFEST, atomic_write_bytes, atomic_write_json, json_object
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
@@ -289,6 +289,22 @@ def _wipe(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _installations(out: Path, state: dict | None, start: int, is_main: bool) -> list[dict]:
+    """The installations that trained the run (assay.installation), each with the step it began at:
+    a new run's is this one; a resumed run continues its checkpoint's list, adding this one when it
+    differs (a checkpoint written before installations were recorded names none for its steps)."""
+    now = installation()
+    if state is None:
+        return [{"from_step": 0, "installation": now}]
+    earlier = state.get("installations") or [{"from_step": 0, "installation": None}]
+    if earlier[-1]["installation"] == now:
+        return earlier
+    if is_main:
+        print(f"note: continuing {out} from step {start}, whose steps another installation ran "
+              f"({'; '.join(differences(earlier[-1]['installation'], now))}); the run records both")
+    return [*earlier, {"from_step": start, "installation": now}]
+
+
 def _read_history(out: Path, upto: int) -> list[dict]:
     path = out / HISTORY_FILE
     if not path.exists():
@@ -410,9 +426,11 @@ def _train(world: Distributed, version: DatasetVersion, out: Path, params: Train
         metrics = json.loads((out / METRICS_FILE).read_text())
         return TrainResult(str(out), start, start, metrics)
 
+    installations = _installations(out, state if checkpoint is not None else None, start, world.is_main)
     identity = {"data": version.identity(), "config_fingerprint": config_fingerprint(params),
                 "model_args": dataclasses.asdict(params.model), "seq_len": params.seq_len,
-                "precision": params.precision, "device": str(dev), "parallel": par.describe()}
+                "precision": params.precision, "device": str(dev), "parallel": par.describe(),
+                "installations": installations}
 
     def checkpoint_now(step: int) -> None:
         telemetry.flush()
@@ -510,9 +528,9 @@ def _train(world: Distributed, version: DatasetVersion, out: Path, params: Train
         "precision": params.precision, "attention": params.model.attention, "ffn": params.model.ffn,
         "device": str(dev), "data": version.identity(),
         "resumed_from": start or None,
-        # The code and packages that ran this process's steps: a resumed run's earlier steps, before
-        # `resumed_from`, may have run on another.
-        "installation": installation(),
+        # The code and packages that ran this process's steps, and every one that trained the run
+        # with the step it began at (a resume under another installation adds one).
+        "installation": installation(), "installations": installations,
     }
     if model.moe_layers():  # every rank's (pruned) model holds some under pp: each stage has a layer
         metrics["moe_bias_abs_max"] = par.stage_max(max(float(m.expert_bias.abs().max()) for m in model.moe_layers()))
