@@ -20,6 +20,7 @@ import importlib.util
 import platform
 import re
 from functools import lru_cache
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,11 @@ def differences(before: dict[str, Any] | None, after: dict[str, Any]) -> list[st
         if old.get(name) != new.get(name):
             changes.append(f"{name} {old.get(name, 'absent')} -> {new.get(name, 'absent')}")
     return changes
+
+
+def describe(record: dict[str, Any], packages: Sequence[str]) -> str:
+    """A record in one line for people: "Assay 0.1.0 (code ...), Python 3.11.7", then each of
+    `packages` the record holds, in that order ("torch 2.13.0+cpu")."""
+    versions = record.get("packages") or {}
+    return (f"Assay {record.get('assay')} (code {record.get('code')}), Python {record.get('python')}"
+            + "".join(f", {name} {versions[name]}" for name in packages if name in versions))

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from assay.history import version_grid
+from assay.installation import describe
 from assay.lineage import scores_behind
 
 console = Console()
@@ -83,11 +84,7 @@ def stats_table(stats: dict[str, Any]) -> None:
     ))
     made_by = stats.get("made_by")
     if isinstance(made_by, dict):  # a dataset written before installations were recorded has none
-        packages = made_by.get("packages") or {}
-        shown = ", ".join(f"{name} {packages[name]}" for name in MADE_BY_PACKAGES if name in packages)
-        _say(_line(f"made by Assay {made_by.get('assay')} (code {made_by.get('code')}), "
-                   f"Python {made_by.get('python')}" + (f", {shown}" if shown else "")
-                   + " (--json lists every package)", highlight=False))
+        _say(_line(f"made by {describe(made_by, MADE_BY_PACKAGES)} (--json lists every package)", highlight=False))
     for key in ("kind", "lang", "source"):
         rows = stats[f"by_{key}"]
         table = Table(title=f"by {key}" + (f" (top 30 of {len(rows)})" if len(rows) > 30 else ""))

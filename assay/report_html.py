@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from assay.errors import AssayError
-from assay.installation import installation
+from assay.installation import describe, installation
 from assay.staging import overlaps, require_folder_or_absent, require_not_dangling
 from assay.lineage import scores_behind
 from assay.shards import (DECISIONS_DIR, MANIFEST, QUARANTINE_DIR, atomic_write_bytes, atomic_write_json, json_object,
@@ -1169,9 +1169,7 @@ def _installation_of(path: Path, manifest: Any) -> dict[str, Any] | None:
 
 
 def _installation_text(record: dict[str, Any]) -> str:
-    packages = record.get("packages") or {}
-    return (f"Assay {record.get('assay')} (code {record.get('code')}), Python {record.get('python')}"
-            + "".join(f", {name} {packages[name]}" for name in ("torch", "transformers") if name in packages))
+    return describe(record, ("torch", "transformers"))
 
 
 def _drawn(key: str, build: Callable[[], Section]) -> Section:
