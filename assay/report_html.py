@@ -1138,7 +1138,8 @@ def _head_section(inputs: ReportInputs) -> Section:
     rows, installations = [], {}
     for label, path in [("raw", inputs.raw), ("static", inputs.static), ("domain", inputs.domain), ("dedup", inputs.dedup),
                         ("curated", inputs.curated), ("round 0", inputs.round0), ("round 0 scores", inputs.scores),
-                        ("round 1", inputs.round1), ("models", inputs.models), ("labelled measurement", inputs.labelled)]:
+                        ("round 1", inputs.round1), ("quality head", inputs.models / "quality"),
+                        ("domain model", inputs.models / "domain"), ("labelled measurement", inputs.labelled)]:
         manifest = _manifest(path) if path.is_dir() else None
         state = "present" if path.exists() else "missing"
         if isinstance(manifest, dict) and manifest.get("created_at"):
@@ -1159,10 +1160,16 @@ def _head_section(inputs: ReportInputs) -> Section:
     return section
 
 
+#: Where an input that is not a dataset records what made it: a run's metrics.json, the quality head's
+#: config.json (assay.quality.head.CONFIG), the domain model's report (assay.domain.perplexity.REPORT).
+_RECORDS = ("metrics.json", "config.json", "assay_domain_model.json")
+
+
 def _installation_of(path: Path, manifest: Any) -> dict[str, Any] | None:
-    """What made `path` (assay.installation), as a dataset's or scores' manifest, or a run's metrics.json,
-    records it; None for inputs that record none (models, a measurement, outputs of an earlier Assay)."""
-    for found in (manifest, _json(path / "metrics.json") if path.is_dir() and manifest is None else None):
+    """What made `path` (assay.installation), as its manifest (a dataset's, scores') or a record beside it
+    (_RECORDS) says; None for inputs that record none (a measurement, outputs of an earlier Assay)."""
+    records = [_json(path / name) for name in _RECORDS] if path.is_dir() and manifest is None else []
+    for found in (manifest, *records):
         if isinstance(found, dict) and isinstance(found.get("installation"), dict):
             return found["installation"]
     return None

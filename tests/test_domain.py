@@ -1,5 +1,6 @@
 """Tier 3 end to end: a domain model trained here, the rules, parsing and the Prefect flow."""
 
+import json
 import shutil
 import sysconfig
 from pathlib import Path
@@ -461,6 +462,7 @@ def test_a_model_out_that_is_not_a_model_is_refused_before_training(tmp_path):
         assert snapshot() == before, out
     # An earlier model of each kind is what OUT may hold: the check passes it (training then replaces it).
     from assay.domain.perplexity import REPORT
+    from assay.installation import installation
     from assay.quality.head import WEIGHTS
     from assay.staging import require_model_out
 
@@ -486,4 +488,5 @@ def test_a_model_out_that_is_not_a_model_is_refused_before_training(tmp_path):
     (tmp_path / "link").symlink_to("old-domain")
     domain_model_flow(str(tmp_path / "raw-more"), str(tmp_path / "link"), params_file=str(tmp_path / "tiny.yaml"))
     assert (tmp_path / "link").is_symlink() and (tmp_path / "old-domain" / "config.json").is_file()
+    assert json.loads((tmp_path / "old-domain" / REPORT).read_text())["installation"] == installation()
     assert not list(tmp_path.glob(".*.tmp"))

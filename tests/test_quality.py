@@ -98,6 +98,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_labels_recipe_on_real_text(tmp_path):
     from assay.encoder import Encoder
+    from assay.installation import installation
 
     labels_file = write_jsonl(tmp_path / "labels.jsonl", real_labelled_rows(40))
     examples = labelled_examples(labels_file, None)
@@ -119,6 +120,7 @@ def test_labels_recipe_on_real_text(tmp_path):
     assert config.recipe == "labels" and config.dim == 384 and not config.finetuned
     assert config.encoder == dataclasses.asdict(params.static.encoder)
     assert config.metrics["auc"] == held["auc"]
+    assert config.installation == installation()  # what trained it, for the report's inputs table
 
     # The loaded head reproduces the held-out numbers of the report.
     encoder = Encoder(params.static.encoder)

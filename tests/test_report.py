@@ -620,6 +620,13 @@ def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installat
     (tmp_path / "data/static/manifest.json").write_text(json.dumps({**manifest, "installation": older}))
     (tmp_path / "runs/round-0").mkdir(parents=True)
     (tmp_path / "runs/round-0/metrics.json").write_text(json.dumps({"installation": installation()}))
+    # The models record theirs beside them: the head in its config.json, the domain model in its report (whose
+    # folder also holds a Hugging Face config.json, without one).
+    for model in ("quality", "domain"):
+        (tmp_path / "models" / model).mkdir(parents=True)
+    (tmp_path / "models/quality/config.json").write_text(json.dumps({"dim": 4, "installation": older}))
+    (tmp_path / "models/domain/config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "models/domain/assay_domain_model.json").write_text(json.dumps({"installation": installation()}))
     inputs = ReportInputs(*(tmp_path / p for p in ("data/raw", "data/static", "data/domain", "data/dedup", "data/curated",
                                                    "runs/round-0", "runs/round-1", "models", "labelled.json")),
                           repo=tmp_path)
@@ -627,8 +634,10 @@ def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installat
     page = (tmp_path / "reports/index.html").read_text()
     now, then = _installation_text(installation()), _installation_text(older)
     assert f"<td>{now}</td>" in page and f"<td>{then}</td>" in page and "<th>made by</th>" in page
-    assert f"<b>Made by 2 installations:</b> raw, round 0: {now}; static: {then}. To judge every stage with one, " \
+    assert f"<b>Made by 2 installations:</b> raw, round 0, domain model: {now}; static, quality head: {then}. " \
+           "To judge every stage with one, " \
            f"rerun those this installation ({now}) did not make" in page
     (tmp_path / "data/static/manifest.json").write_text(json.dumps(manifest))  # one installation: no flag
+    (tmp_path / "models/quality/config.json").write_text(json.dumps({"dim": 4, "installation": installation()}))
     build_report(inputs, tmp_path / "reports", examples_per_reason=0)
     assert "installations:" not in (tmp_path / "reports/index.html").read_text()

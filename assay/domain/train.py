@@ -29,6 +29,7 @@ import torch
 
 from assay.config import Params
 from assay.devices import fast_bf16, pick_device
+from assay.installation import installation
 from assay.domain.perplexity import REPORT, sequence_perplexity
 from assay.errors import AssayError
 from assay.schema import KIND_CODE
@@ -154,6 +155,7 @@ def train_domain_model(data: str | Path, out: str | Path, params: Params,
         "bf16": bf16,
         "seconds": round(time.perf_counter() - started, 2),
         "trained_at": datetime.now(timezone.utc).isoformat(),
+        "installation": installation(),  # what trained it: domain's perplexity verdicts rest on it
     }
     # Written beside, then renamed: a killed run leaves no half-saved model. A symbolic link is
     # saved through, where it points (the link itself stays), as a folder's other writers do.

@@ -77,6 +77,9 @@ class HeadConfig:
     #: in order; ours, `quality.shape`), each times `shape_scale`. Heads saved before these existed: none.
     shape: list[str] = field(default_factory=list)
     shape_scale: float = 1.0
+    #: What trained the head (`assay.installation`): static's verdicts rest on it as on its own code.
+    #: Heads saved before this existed: None.
+    installation: dict[str, Any] | None = None
 
 
 def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, *, l2: float, max_iter: int = 300) -> LinearHead:

@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 from assay.config import FEATURES_WORDS, Params
 from assay.encoder import Encoder
 from assay.errors import AssayError
+from assay.installation import installation
 from assay.quality.features import SHAPE_FEATURES, head_features
 from assay.quality.head import FINETUNED_ENCODER, HeadConfig, fit_logistic, save_head
 from assay.quality.metrics import calibration_table, expected_calibration_error, precision_recall, roc_auc
@@ -290,6 +291,7 @@ def train_head(
         markup=q.markup and q.features == FEATURES_WORDS,
         shape=shape if q.features == FEATURES_WORDS else [],
         shape_scale=q.shape_scale,
+        installation=installation(),
     )
     save_head(out, head, config)
     return {**report, "training": config.training, "out": str(out), "recipe": recipe}
