@@ -775,15 +775,24 @@ def score_command(
         report.as_json(manifest)
 
 
+def environment_defaults() -> None:
+    """Assay's defaults for settings of the tools it runs; a value the environment sets wins."""
+    # Prefect's temporary server needs more than its default 20 s to start on
+    # a busy 2-core machine; waiting longer beats failing the run.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    # Prefect's servers (the temporary one of each run, `assay ui`'s) send usage telemetry unless told
+    # not to: a data tool sends nothing from the user's machine unasked, and offline the attempt logged
+    # "ERROR ... Failed to send telemetry" in every run.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     global _DEBUG
     # Only an option: after "--" the word is an argument (a query text or an id), not --debug.
     options = args[:args.index("--")] if "--" in args else args
     debug = _DEBUG = "--debug" in options or os.environ.get("ASSAY_DEBUG") == "1"
-    # Prefect's temporary server needs more than its default 20 s to start on
-    # a busy 2-core machine; waiting longer beats failing the run.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    environment_defaults()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop)
     try:

@@ -206,6 +206,33 @@ def test_directory_walk_skips_and_symlinks(tmp_path):
     assert manifest["counts"]["skipped"] == {"symlink_outside_root": 1, "symlink_file_inside_root": 1, "skipped_dir": 4}
 
 
+def test_a_directory_of_record_files_is_planned_as_files_with_a_note_on_reading_their_records(tmp_path, capsys):
+    """A folder of .jsonl.gz shards (what datatrove's readers take) is a tree of documents to Assay: each shard
+    would be one document, or quarantined as binary. The plan says so and how to read the records instead."""
+    from assay.config import Params
+    from assay.ingest import options_from_params
+    from assay.ingest.plan import plan
+
+    options = options_from_params(Params())
+    shards = tmp_path / "shards"
+    (shards / "more").mkdir(parents=True)
+    write_jsonl_gz(shards / "a.jsonl.gz", [{"text": "one"}])
+    (shards / "more" / "b.parquet").write_bytes(b"PAR1")
+    (shards / "notes.txt").write_text("plain\n")
+    units = plan([str(shards)], options)
+    assert sorted(f.locator for u in units for f in u.files) == ["a.jsonl.gz", "more/b.parquet", "notes.txt"]
+    note = capsys.readouterr().out
+    assert note == (f"note: {shards} holds 2 JSONL or Parquet file(s) ({shards}/a.jsonl.gz, ...). A directory's files "
+                    "are read whole, one document each (a compressed or Parquet one is quarantined as binary); to read "
+                    f"their records, name the files as SOURCEs: assay ingest {shards}/*.jsonl.gz ... --out OUT\n")
+    (shards / "a.jsonl.gz").unlink()
+    plan([str(shards)], options)
+    assert f"holds 1 JSONL or Parquet file(s) ({shards}/more/b.parquet). " in capsys.readouterr().out
+    (shards / "more" / "b.parquet").unlink()
+    plan([str(shards)], options)
+    assert capsys.readouterr().out == ""  # a tree of documents: nothing to say
+
+
 @needs_flow
 def test_a_symlinked_file_inside_the_root_is_read_once_under_its_own_path(tmp_path):
     """A link to a file inside the ingested root was read through the link as well, so the same

@@ -112,6 +112,25 @@ def test_the_temporary_prefect_server_listens_on_loopback():
     assert {address for address, _ in listening} == {"127.0.0.1"}, listening
 
 
+@pytest.mark.parametrize("asked", [None, "true"])
+def test_prefect_servers_send_no_telemetry_unless_the_environment_asks(monkeypatch, asked):
+    """`assay` sets PREFECT_SERVER_ANALYTICS_ENABLED=false before Prefect starts a server (the temporary one, `assay
+    ui`'s), which otherwise sends usage telemetry, and offline logged an ERROR in every run; a value set wins."""
+    from prefect.settings import Settings
+
+    from assay.cli import environment_defaults
+
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)  # restored after
+    if asked is None:
+        monkeypatch.delenv("PREFECT_SERVER_ANALYTICS_ENABLED", raising=False)
+        assert Settings().server.analytics_enabled  # Prefect's default, which the test is about
+    else:
+        monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", asked)
+    environment_defaults()
+    assert Settings().server.analytics_enabled is (asked == "true")
+    assert Settings().server.ephemeral.startup_timeout_seconds == 90
+
+
 @pytest.mark.slow  # needs the engines' extra, which `make test-slow` installs and `make test` does not
 def test_a_local_dask_cluster_listens_on_loopback_only():
     """`flow.task_runner: dask` without an address starts a LocalCluster (about 4 s): its scheduler, workers

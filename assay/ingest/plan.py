@@ -167,6 +167,23 @@ def walk_directory(root: Path, source: str, skip_dirs: tuple[str, ...]) -> tuple
     return entries, skipped
 
 
+def record_files_note(spec: str, entries: list[FileEntry]) -> str | None:
+    """A note for a directory SOURCE that holds JSONL or Parquet files, or None.
+
+    A directory is read as a tree of documents, one per file, as a code repository is; a
+    folder of `.jsonl.gz` shards (what datatrove's readers take) would then give each shard
+    as one document, or quarantine it as binary. The walk stays as it is (a repository's
+    `.jsonl` data file is one of its files); the user is told how to read the records."""
+    found = [e.locator for e in entries if e.locator.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)]
+    if not found:
+        return None
+    suffix = next(s for s in JSONL_SUFFIXES + PARQUET_SUFFIXES if found[0].lower().endswith(s))
+    return (f"note: {spec} holds {len(found)} JSONL or Parquet file(s) ({Path(spec, found[0]).as_posix()}"
+            f"{', ...' if len(found) > 1 else ''}). A directory's files are read whole, one document each (a compressed "
+            "or Parquet one is quarantined as binary); to read their records, name the files as SOURCEs: "
+            f"assay ingest {Path(spec, '*' + suffix).as_posix()} ... --out OUT")
+
+
 def _source_name(spec: str, options: IngestOptions) -> str:
     if options.source_name:
         return options.source_name
@@ -252,6 +269,8 @@ def plan(sources: list[str], options: IngestOptions, *, demo_params=None) -> lis
         source = _source_name(spec, options)
         if path.is_dir():
             entries, skipped = walk_directory(path, source, tuple(options.skip_dirs))
+            if note := record_files_note(spec, entries):
+                print(note)
             grouped = group_files(entries, "files", source, options.unit_bytes)
             if grouped:
                 grouped[0] = Unit(**{**grouped[0].__dict__, "skipped": skipped})
