@@ -6,6 +6,7 @@ and prints one line too, with the traceback only under --debug.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -812,6 +813,12 @@ def main(argv: list[str] | None = None) -> None:
         if str(exc).startswith("Failed to reach API"):  # PREFECT_API_URL names a server that is down
             print(f"assay: error: no Prefect server answers at PREFECT_API_URL={os.environ.get('PREFECT_API_URL')}: "
                   "start one with `assay ui`, or unset PREFECT_API_URL to use a temporary one", file=sys.stderr)
+            sys.exit(1)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's, not a bug
+            where = f" writing {exc.filename}" if exc.filename else ""
+            print(f"assay: error: the disk is full ({os.strerror(exc.errno)}{where}): free space and rerun the same "
+                  "command; nothing half-written was published, and a stage resumes the units it finished",
+                  file=sys.stderr)
             sys.exit(1)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"assay: internal error: {type(exc).__name__}: {_printable(message)} (rerun with --debug for the traceback)",
