@@ -34,6 +34,18 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(scope="module")
+def cli_on_session_api(prefect_harness):
+    """`assay` commands a module runs use the session's Prefect API (the child processes inherit
+    PREFECT_API_URL), as a user's do with `assay ui` running; each would otherwise start a temporary
+    server of its own, 5-10 s apiece. Tests of that temporary server pass their own environment."""
+    from prefect.settings import PREFECT_API_URL
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
+        yield
+
+
 @pytest.fixture
 def bad_corpus(tmp_path: Path) -> dict[str, Path]:
     return make_bad_corpus(tmp_path)

@@ -10,6 +10,8 @@ import pytest
 
 from assay.schema import document_id
 
+pytestmark = pytest.mark.usefixtures("cli_on_session_api")  # conftest: no temporary server per command
+
 ASSAY = shutil.which("assay", path=str(Path(sys.executable).parent)) or "assay"
 
 

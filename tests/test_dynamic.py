@@ -35,6 +35,8 @@ from filters.dynamic import (
     strata,
 )
 
+pytestmark = pytest.mark.usefixtures("cli_on_session_api")  # conftest: no temporary server per command
+
 ASSAY = shutil.which("assay", path=str(Path(sys.executable).parent)) or "assay"
 
 

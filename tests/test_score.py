@@ -39,6 +39,8 @@ VOCAB, B, N, N_DOCS = 50, 5, 16, 3
 # The same batch layout, model variants and one-thread fixture (autouse) as the ghost-norm tests.
 from test_grad_norms import DOC_INDEX, VARIANTS, one_thread  # noqa: E402,F401
 
+pytestmark = pytest.mark.usefixtures("cli_on_session_api")  # conftest: no temporary server per command
+
 
 # ------------------------------------------------------------------ alignment vs autograd
 def build(dtype=torch.float32, **kw) -> Transformer:

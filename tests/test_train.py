@@ -29,6 +29,8 @@ from training.telemetry import read_telemetry
 from training.tokenizer import EOS, train_tokenizer
 from training.trainer import learning_rate, train
 
+pytestmark = pytest.mark.usefixtures("cli_on_session_api")  # conftest: no temporary server per command
+
 BIN = Path(sys.executable).parent
 ASSAY = shutil.which("assay", path=str(BIN)) or "assay"
 
