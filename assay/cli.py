@@ -61,14 +61,23 @@ class _OneLineErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info:
-            if isinstance(record.exc_info[1], AssayError):
+            if isinstance(record.exc_info[1], AssayError) or _disk_full(record.exc_info[1]):
                 return False
             record.exc_info = None
             record.exc_text = None
         elif (record.name.startswith("prefect.") and "in state Failed" in str(record.msg)
-              and "AssayError" in record.getMessage()):
+              and any(said in record.getMessage() for said in _SAID_BY_THE_CLI)):
             return False
         return True
+
+
+#: How a failed state names an error that the CLI prints as its own last line.
+_SAID_BY_THE_CLI = ("AssayError", f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]")
+
+
+def _disk_full(exc: BaseException | None) -> bool:
+    """The machine's error, not a bug: the CLI says so in one line, and what to do."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _quiet_console_tracebacks() -> None:
@@ -814,11 +823,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"assay: error: no Prefect server answers at PREFECT_API_URL={os.environ.get('PREFECT_API_URL')}: "
                   "start one with `assay ui`, or unset PREFECT_API_URL to use a temporary one", file=sys.stderr)
             sys.exit(1)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the machine's, not a bug
+        if _disk_full(exc):
             where = f" writing {exc.filename}" if exc.filename else ""
             print(f"assay: error: the disk is full ({os.strerror(exc.errno)}{where}): free space and rerun the same "
-                  "command; nothing half-written was published, and a stage resumes the units it finished",
-                  file=sys.stderr)
+                  "command; nothing half-written was published, and a stage resumes the units it finished (a "
+                  "training run, its last checkpoint)", file=sys.stderr)
             sys.exit(1)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"assay: internal error: {type(exc).__name__}: {_printable(message)} (rerun with --debug for the traceback)",

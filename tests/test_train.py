@@ -774,6 +774,38 @@ def test_the_same_command_continues_its_run_and_other_settings_are_refused(stdli
     assert "note: the run was already at step 2, past train.steps = 1; nothing was trained" in proc.stdout + proc.stderr
 
 
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_the_same_command(stdlib_data, tmp_path, capsys):
+    """Stopped (a kill, a full disk) before any checkpoint, a run holds its tokenizer, rows, history and
+    telemetry: nothing to resume. The same command started over only with --overwrite until 2026-12-07,
+    though the stop line says "rerun the same command to resume" (a probe: a disk full at the first save)."""
+    import shutil
+
+    params = tiny_params(steps=4, checkpoint_every=2)
+    version = open_version(stdlib_data)
+    straight = train(version, tmp_path / "straight", params, progress=False)
+    run = tmp_path / "run"
+    train(version, run, params, progress=False)
+    shutil.rmtree(run / "checkpoints")  # what the stopped run had: its entries up to the first save
+    (run / "checkpoints" / "step-00000002.tmp-save").mkdir(parents=True)  # and a save cut short
+    (run / "metrics.json").unlink()
+    capsys.readouterr()
+    again = train(version, run, params, progress=False)
+    assert f"note: {run} holds a run stopped before its first checkpoint: nothing to resume; starting over" in \
+        capsys.readouterr().out
+    assert again.resumed_from is None and _history(run) == _history(tmp_path / "straight")
+    assert straight.metrics["final_loss"] == again.metrics["final_loss"]
+    # A finished run (metrics.json) whose checkpoints are gone, or a folder holding more than a run's own
+    # entries, is not one: the rerun still asks for --overwrite.
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(AssayError, match="is not empty; pass --overwrite to replace it"):
+        train(version, run, params, progress=False)
+    (run / "metrics.json").unlink()
+    (run / "notes.txt").write_text("mine\n")
+    with pytest.raises(AssayError, match="is not empty; pass --overwrite to replace it"):
+        train(version, run, params, progress=False)
+    assert (run / "notes.txt").read_text() == "mine\n"
+
+
 def test_a_run_resumed_under_another_installation_records_both_and_its_card_names_them(stdlib_data, tmp_path, capsys):
     """assay.installation: continuing a run after a code change or an upgrade is allowed (training is
     not a verdict), but the run, and the model card, say which installation ran which steps."""

@@ -21,8 +21,10 @@ previous checkpoint.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 import pickle
 import re
 import shutil
@@ -147,8 +149,18 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state, groups = _tensor_state(model, optimizer, tensors)
-    with _single_process_ok():
-        dcp.save(state, checkpoint_id=str(tmp))  # collective: returns when every rank has written
+    try:
+        with _single_process_ok():
+            dcp.save(state, checkpoint_id=str(tmp))  # collective: returns when every rank has written
+    except (Exception, dcp.CheckpointException) as exc:  # DCP's is a BaseException, past every `except Exception`
+        # A full disk reaches here as torch's "unexpected pos N vs M" (a short write inside its zip
+        # writer), which names no errno; the space left says what it was.
+        if _space_left(root) < _FULL_BELOW:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
+        if isinstance(exc, dcp.CheckpointException):
+            causes = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
+            raise RuntimeError(f"{tmp}: the checkpoint save failed ({causes})") from exc
+        raise
     if _is_main():
         (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "step": step, "param_groups": groups},
                                                    indent=2, sort_keys=True, default=str))
@@ -160,6 +172,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         pointer.replace(root / LATEST)
     _barrier()
     return final
+
+
+#: Bytes free under which a failed save is put down to a full disk.
+_FULL_BELOW = 1 << 20
+
+
+def _space_left(folder: Path) -> int:
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

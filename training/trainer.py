@@ -238,7 +238,12 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
             raise AssayError(f"--resume: {out} holds no checkpoint to resume from")
         entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
         if entries and not overwrite:
-            raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+            if not _stopped_before_its_first_checkpoint(out, entries):
+                raise AssayError(f"{out} is not empty; pass --overwrite to replace it")
+            # What such a run wrote (its tokenizer, rows, the first steps' telemetry) the rerun writes again,
+            # the same: there is nothing to resume, and "rerun the same command" (the CLI's line when a run
+            # is stopped) must not end in "pass --overwrite".
+            print(f"note: {out} holds a run stopped before its first checkpoint: nothing to resume; starting over")
         foreign = [name for name in entries if name not in RUN_ENTRIES and not _assay_output(out / name)]
         if foreign:  # `--out . --overwrite` must not write a run over a repository, nor wipe its telemetry/
             raise AssayError(f"{out}: holds {', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}, which no "
@@ -270,6 +275,14 @@ def _prepare_run(out: Path, version: DatasetVersion, params: TrainParams, resume
                          "continue it anyway or --overwrite to start again")
     _wipe(out)
     return None
+
+
+def _stopped_before_its_first_checkpoint(out: Path, entries: list[str]) -> bool:
+    """Only a run's own entries, no checkpoint (its partial saves are discarded by now) and no metrics.json,
+    which a run writes when it finishes."""
+    checkpoints = out / CHECKPOINTS
+    return (set(entries) <= set(RUN_ENTRIES) and METRICS_FILE not in entries
+            and not (checkpoints.is_dir() and any(checkpoints.iterdir())))
 
 
 def _assay_output(folder: Path) -> bool:
