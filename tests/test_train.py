@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 import pickle
 import shutil
@@ -840,3 +841,23 @@ def test_a_run_resumed_under_another_installation_records_both_and_its_card_name
     again = train(version, tmp_path / "run", tiny_params(steps=6, checkpoint_every=2), resume=True, progress=False)
     assert again.metrics["installations"] == [{"from_step": 0, "installation": None},
                                               {"from_step": 4, "installation": installation()}]
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+from test_security import _copy_run, _loaders, tiny_run  # noqa: E402,F401  (every loader of a checkpoint; the run)
+
+
+@pytest.mark.parametrize("cut", [20_000, 0])
+@pytest.mark.parametrize("loader", ["resume", "score", "export"])
+def test_a_checkpoint_whose_files_do_not_load_is_one_line_naming_it_in_every_loader(tiny_run, tmp_path, loader, cut):
+    """A shard cut short (a copy that stopped, a disk that filled outside Assay) raised DCP's CheckpointException,
+    a BaseException: `assay train`'s resume printed a raw traceback, `assay export` torch's own advice."""
+    run, checkpoint = _copy_run(tiny_run, tmp_path)
+    shard = next(checkpoint.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(cut)
+    with pytest.raises(AssayError, match=rf"^{re.escape(str(checkpoint))}: damaged, its files do not load \(rank 0: "
+                                         r"\w+.*\); restore it from a copy, or use an earlier checkpoint of the run"
+                       ) as refused:
+        _loaders(run, checkpoint, tiny_run[1])[loader]()
+    assert "\n" not in str(refused.value)

@@ -119,6 +119,30 @@ def safe_reader(checkpoint: str | Path) -> SafeReader:
     return reader
 
 
+def load_state(state: dict[str, Any], checkpoint: str | Path) -> None:
+    """DCP's load of ``checkpoint`` into ``state``'s tensors, in place, through the safe reader.
+
+    A checkpoint whose files do not load (cut short, overwritten, half copied) is one AssayError naming
+    it and each rank's cause: DCP raises a CheckpointException, a BaseException that every `except
+    Exception` lets through, so the user got a raw traceback (resume) or torch's advice (export)."""
+    reader = safe_reader(checkpoint)
+    try:
+        with _single_process_ok():
+            dcp.load(state, storage_reader=reader)
+    except dcp.CheckpointException as exc:
+        raise AssayError(f"{checkpoint}: damaged, its files do not load ({_rank_causes(exc)}); restore it from a "
+                         "copy, or use an earlier checkpoint of the run (its name in checkpoints/latest)") from None
+
+
+def _rank_causes(exc: dcp.CheckpointException) -> str:
+    """Each failed rank's exception in one line: its type and first sentence."""
+    def said(error: BaseException) -> str:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"{type(error).__name__}: {text.split('. ')[0][:200]}" if text else type(error).__name__
+
+    return "; ".join(f"rank {rank}: {said(error)}" for rank, (error, _) in sorted(exc.failures.items()))
+
+
 def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]):
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Optimizer hyperparameters (param_groups) are plain values: they go to JSON.
@@ -158,8 +182,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         if _space_left(root) < _FULL_BELOW:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from exc
         if isinstance(exc, dcp.CheckpointException):
-            causes = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items())
-            raise RuntimeError(f"{tmp}: the checkpoint save failed ({causes})") from exc
+            raise RuntimeError(f"{tmp}: the checkpoint save failed ({_rank_causes(exc)})") from exc
         raise
     if _is_main():
         (tmp / TRAINER_FILE).write_text(json.dumps({**trainer, "step": step, "param_groups": groups},
@@ -252,11 +275,9 @@ def load_checkpoint(checkpoint: str | Path, model: nn.Module, optimizer: torch.o
     """Restore model, optimizer and ``tensors`` (in place, same shapes) from ``checkpoint``;
     returns the trainer JSON."""
     trainer = read_trainer_state(checkpoint)
-    reader = safe_reader(checkpoint)
     # get_state_dict initialises empty optimizer state, so DCP has tensors to load into.
     state, own_groups = _tensor_state(model, optimizer, tensors)
-    with _single_process_ok():
-        dcp.load(state, storage_reader=reader)
+    load_state(state, checkpoint)
     # The hyperparameters were written once, by rank 0, under rank 0's parameter names; a rank
     # holding other parameters (a pipeline stage, other experts) would find none of its own
     # among them. Every rank has the same groups in the same order, so they go by position.

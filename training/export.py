@@ -28,14 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from assay.errors import AssayError
 from assay.output_lock import exclusive_output
 from assay.shards import publish_directory, staging_dir
 from assay.staging import require_folder_or_absent, require_not_dangling
-from training.checkpoint import (CHECKPOINTS, LATEST, _single_process_ok, broken_latest, latest_checkpoint,
-                                 read_trainer_state, safe_reader)
+from training.checkpoint import CHECKPOINTS, LATEST, broken_latest, latest_checkpoint, load_state, read_trainer_state
 from training.model import ModelArgs, Transformer
 from training.tokenizer import EOS, PAD, load_tokenizer
 
@@ -91,8 +89,7 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None) ->
     model.to_empty(device="cpu")
     model.init_weights(seed=0)  # fills the RoPE buffers; every parameter is then overwritten by the load
     state = {"model": model.state_dict()}
-    with _single_process_ok():
-        dcp.load(state, storage_reader=safe_reader(checkpoint))  # in place, into the model's tensors
+    load_state(state, checkpoint)  # in place, into the model's tensors
     model.eval()
     return model, trainer
 

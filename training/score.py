@@ -64,7 +64,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from assay.config import ScoringParams, TrainModelParams, TrainParams
@@ -78,8 +77,8 @@ from assay.staging import SET_ASIDE, building, keep_finished, own_output, staged
 from assay.stages.shard_stage import file_fingerprint
 from assay.versions import DatasetVersion, open_version
 from training.alignment import References, per_document_alignment
-from training.checkpoint import (CHECKPOINTS, LATEST, _single_process_ok, broken_latest, complete_checkpoints,
-                                 latest_checkpoint, read_trainer_state, safe_reader)
+from training.checkpoint import (CHECKPOINTS, LATEST, broken_latest, complete_checkpoints, latest_checkpoint,
+                                 load_state, read_trainer_state)
 from training.data import TokenRows, build_rows, make_batch
 from training.grad_norms import per_document_loss_and_grad_norm, token_losses
 from training.model import Transformer
@@ -306,9 +305,9 @@ def load_model(checkpoint: Path, state: dict, vocab_size: int, device: torch.dev
     """The checkpoint's model alone (no optimizer), through DCP's restricted reader."""
     model = build_model(_train_params(state), vocab_size, device)
     model_sd = get_model_state_dict(model)
-    with _single_process_ok(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"model": model_sd}, storage_reader=safe_reader(checkpoint))
+        load_state({"model": model_sd}, checkpoint)
     set_model_state_dict(model, model_sd)
     model.train()  # as in training (MoE routing and every module behave as they did)
     return model
@@ -329,10 +328,10 @@ def adam_preconditioner(checkpoint: Path, model: Transformer) -> dict[str, torch
     state = {"optim": {n: {"exp_avg_sq": torch.empty_like(params[n], device="cpu"),
                            "step": torch.tensor(0.0)} for n in names}}
     try:
-        with _single_process_ok(), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=safe_reader(checkpoint))
-    except Exception as exc:  # DCP wraps a missing key in a per-rank dump; say it in one line
+            load_state(state, checkpoint)
+    except Exception as exc:  # a missing key, a damaged file: say it in one line
         raise AssayError(f"score.precondition: adam needs the optimizer state in {checkpoint}; "
                          f"it could not be read ({type(exc).__name__})") from None
     out = {}
