@@ -202,7 +202,10 @@ _FULL_BELOW = 1 << 20
 
 
 def _space_left(folder: Path) -> int:
-    stats = os.statvfs(folder)
+    try:
+        stats = os.statvfs(folder)
+    except OSError:  # not there on this rank's machine: say nothing about its disk, keep the save's own error
+        return _FULL_BELOW
     return stats.f_bavail * stats.f_frsize
 
 

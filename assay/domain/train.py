@@ -29,9 +29,9 @@ import torch
 
 from assay.config import Params
 from assay.devices import fast_bf16, pick_device
-from assay.installation import installation
 from assay.domain.perplexity import REPORT, sequence_perplexity
 from assay.errors import AssayError
+from assay.installation import installation
 from assay.schema import KIND_CODE
 from assay.shards import atomic_write_json, iter_batches, require_dataset
 
