@@ -15,8 +15,8 @@ pytestmark = pytest.mark.usefixtures("cli_on_session_api")  # conftest: no tempo
 ASSAY = shutil.which("assay", path=str(Path(sys.executable).parent)) or "assay"
 
 
-def run(*args, cwd=None, check=True):
-    proc = subprocess.run([ASSAY, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+def run(*args, cwd=None, check=True, env=None):
+    proc = subprocess.run([ASSAY, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"assay {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -73,13 +73,17 @@ def test_show_and_why_answer(ingested):
 
 
 def test_errors_are_one_line_without_traceback(ingested, tmp_path):
-    # train and score: said before Prefect's temporary server starts (its log lines were on stderr too).
+    # train and score: said before Prefect's temporary server starts (its log lines were on stderr too), so
+    # these commands run as a user's do without a server: not on the session's API (cli_on_session_api).
+    import os
+
+    alone = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     for args in (["ingest", tmp_path / "missing", "--out", tmp_path / "o"],
                  ["stats", tmp_path / "missing"],
                  ["show", "nope", "--data", ingested["out"]],
                  ["train", "--data", tmp_path / "missing", "--out", tmp_path / "run"],
                  ["score", "--run", tmp_path / "run", "--data", tmp_path / "missing", "--out", tmp_path / "s"]):
-        proc = run(*args, check=False)
+        proc = run(*args, check=False, env=alone)
         assert proc.returncode == 1
         assert proc.stderr.strip().startswith("assay: error:"), proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
