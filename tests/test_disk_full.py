@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
+
+from assay.shards import iter_batches
 
 ASSAY = str(Path(sys.executable).parent / "assay")
 
@@ -61,11 +62,7 @@ def _namespaces_work() -> bool:
 
 
 def _texts(out: Path) -> dict[str, str]:
-    docs = {}
-    for part in sorted(out.glob("part-*.parquet")):
-        table = pq.read_table(part, columns=["id", "text"])
-        docs.update(zip(table.column("id").to_pylist(), table.column("text").to_pylist()))
-    return docs
+    return {row["id"]: row["text"] for batch in iter_batches(out, columns=["id", "text"]) for row in batch.to_pylist()}
 
 
 @pytest.mark.slow  # three CLI runs, 20 s

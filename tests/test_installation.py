@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -138,7 +137,9 @@ def _ingest(source: Path, out: Path, params: Path, *, code: Path | None = None, 
 
 
 def _texts(out: Path) -> list[str]:
-    return sorted(t for p in sorted(out.glob("part-*.parquet")) for t in pq.read_table(p).column("text").to_pylist())
+    from assay.shards import iter_batches
+
+    return sorted(t for batch in iter_batches(out, columns=["text"]) for t in batch.column("text").to_pylist())
 
 
 @pytest.mark.slow  # four CLI runs, 30 s: make test-slow

@@ -601,7 +601,9 @@ def test_the_graph_sentence_names_its_cluster_kinds():
 
 def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installations(tmp_path):
     """assay.installation: a pipeline rerun in part after an upgrade has stages judged by two programs."""
+    from assay.domain.perplexity import REPORT  # the names the trainers write, which the report reads
     from assay.installation import installation
+    from assay.quality.head import CONFIG
     from assay.report_html import _installation_text
     from assay.schema import DOCUMENT_SCHEMA
     from assay.staging import UnitWriter, commit, prepare
@@ -624,9 +626,9 @@ def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installat
     # folder also holds a Hugging Face config.json, without one).
     for model in ("quality", "domain"):
         (tmp_path / "models" / model).mkdir(parents=True)
-    (tmp_path / "models/quality/config.json").write_text(json.dumps({"dim": 4, "installation": older}))
+    (tmp_path / "models/quality" / CONFIG).write_text(json.dumps({"dim": 4, "installation": older}))
     (tmp_path / "models/domain/config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    (tmp_path / "models/domain/assay_domain_model.json").write_text(json.dumps({"installation": installation()}))
+    (tmp_path / "models/domain" / REPORT).write_text(json.dumps({"installation": installation()}))
     inputs = ReportInputs(*(tmp_path / p for p in ("data/raw", "data/static", "data/domain", "data/dedup", "data/curated",
                                                    "runs/round-0", "runs/round-1", "models", "labelled.json")),
                           repo=tmp_path)
@@ -638,6 +640,6 @@ def test_the_inputs_table_says_what_made_each_input_and_flags_a_mix_of_installat
            "To judge every stage with one, " \
            f"rerun those this installation ({now}) did not make" in page
     (tmp_path / "data/static/manifest.json").write_text(json.dumps(manifest))  # one installation: no flag
-    (tmp_path / "models/quality/config.json").write_text(json.dumps({"dim": 4, "installation": installation()}))
+    (tmp_path / "models/quality" / CONFIG).write_text(json.dumps({"dim": 4, "installation": installation()}))
     build_report(inputs, tmp_path / "reports", examples_per_reason=0)
     assert "installations:" not in (tmp_path / "reports/index.html").read_text()
